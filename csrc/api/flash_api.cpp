@@ -1,0 +1,130 @@
+// The only translation unit that includes torch: op schemas, checks, FwdParams, dispatch.
+// The Python layer (flash_attn_hopper/interface.py) validates arguments with named errors first; the checks here
+// are the safety net for direct torch.ops calls.
+
+#include <cmath>
+#include <string>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "flash/dispatch.hpp"
+#include "flash/params.hpp"
+
+namespace {
+
+using FwdFn = cudaError_t (*)(flash::FwdParams const&, cudaStream_t);
+
+FwdFn select_fwd(int head_dim, at::ScalarType dtype) {
+  bool const bf16 = dtype == at::kBFloat16;
+#define FAH_CASE(HDIM, NAME, IS_BF16) \
+  if (head_dim == HDIM && bf16 == IS_BF16) { return &flash::run_fwd_hdim##HDIM##_##NAME; }
+#if defined(FAH_HDIM64) && defined(FAH_FP16)
+  FAH_CASE(64, fp16, false)
+#endif
+#if defined(FAH_HDIM64) && defined(FAH_BF16)
+  FAH_CASE(64, bf16, true)
+#endif
+#if defined(FAH_HDIM128) && defined(FAH_FP16)
+  FAH_CASE(128, fp16, false)
+#endif
+#if defined(FAH_HDIM128) && defined(FAH_BF16)
+  FAH_CASE(128, bf16, true)
+#endif
+#if defined(FAH_HDIM256) && defined(FAH_FP16)
+  FAH_CASE(256, fp16, false)
+#endif
+#if defined(FAH_HDIM256) && defined(FAH_BF16)
+  FAH_CASE(256, bf16, true)
+#endif
+#undef FAH_CASE
+  return nullptr;
+}
+
+std::string build_config() {
+  std::string hdims, dtypes;
+#ifdef FAH_HDIM64
+  hdims += "64,";
+#endif
+#ifdef FAH_HDIM128
+  hdims += "128,";
+#endif
+#ifdef FAH_HDIM256
+  hdims += "256,";
+#endif
+#ifdef FAH_FP16
+  dtypes += "fp16,";
+#endif
+#ifdef FAH_BF16
+  dtypes += "bf16,";
+#endif
+  return "head_dims=" + hdims + ";dtypes=" + dtypes;
+}
+
+void check_qkv(at::Tensor const& t, char const* name, at::Tensor const& q) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == q.device(), name, " must be on the same device as q");
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have the dtype of q");
+  TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (batch, seqlen, nheads, head_dim)");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have stride 1 in its last dimension");
+  TORCH_CHECK(t.size(0) == q.size(0) && t.size(2) == q.size(2) && t.size(3) == q.size(3), name,
+              " must match q in batch, nheads and head_dim");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned (TMA)");
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK(t.size(d) == 1 || (t.stride(d) * t.element_size()) % 16 == 0, name, " stride of dim ", d,
+                " must be a multiple of 16 bytes (TMA)");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                       double softmax_scale, bool causal) {
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
+  TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  int const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
+  int const seqlen_k = k.size(1);
+  TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && seqlen_k >= 1 && nheads >= 1, "empty problems are handled in Python");
+  TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
+  auto* run = select_fwd(head_dim, q.scalar_type());
+  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q.scalar_type(), " is not in this build (",
+              build_config(), ")");
+
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim}, q.options());
+  at::Tensor lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
+
+  flash::FwdParams p{};
+  p.q_ptr = q.data_ptr();
+  p.k_ptr = k.data_ptr();
+  p.v_ptr = v.data_ptr();
+  p.o_ptr = out.data_ptr();
+  p.lse_ptr = lse.data_ptr<float>();
+  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+  p.batch = batch, p.nheads = nheads, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim;
+  p.softmax_scale = float(softmax_scale);
+  p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
+  p.is_causal = causal;
+
+  cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper forward launch failed: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(flash_attn_hopper, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
+  m.def("build_config() -> str", &build_config);
+}
+
+TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) { m.impl("fwd", &fwd); }

@@ -1,0 +1,86 @@
+// Online softmax in the exp2 domain (FlashAttention-3 paper §3.1; FlashAttention-2 §3.1 for the recurrence).
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "flash/common/utils.hpp"
+
+namespace flash {
+
+using namespace cute;
+
+// Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds.
+// scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
+// one FFMA per element.
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];
+  float const scale_log2;
+
+  CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.f;
+    }
+  }
+
+  // Turns the S tile into unnormalised P in place and returns, per row, the factor by which the running
+  // output must be rescaled (exp of the old max minus the new one).
+  template <class TensorS>
+  CUTLASS_DEVICE cute::array<float, kRows> step(TensorS& tSrS) {
+    Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+    static_assert(decltype(size<0>(s))::value == kRows);
+    cute::array<float, kRows> rescale;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = row_max[r];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) { m = fmaxf(m, s(r, j)); }
+      m = quad_max(m);
+      // A row with no visible key so far keeps max -inf; subtracting 0 then maps every -inf score to P = 0
+      // instead of NaN.
+      float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      rescale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
+      row_max[r] = m;
+      float sum = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -m_scaled));
+        sum += s(r, j);
+      }
+      row_sum[r] = row_sum[r] * rescale[r] + sum;
+    }
+    return rescale;
+  }
+
+  // Multiplies the rows of an accumulator (O) by per-row factors.
+  template <class TensorO>
+  CUTLASS_DEVICE static void scale_rows(TensorO& tOrO, cute::array<float, kRows> const& factor) {
+    Tensor o = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(o); ++j) { o(r, j) *= factor[r]; }
+    }
+  }
+
+  // Completes the row sums across the quad; returns 1/l per row (0 for a row that saw no key) and writes the
+  // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row).
+  CUTLASS_DEVICE cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse) {
+    cute::array<float, kRows> inv_sum;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float const l = quad_sum(row_sum[r]);
+      bool const empty = l == 0.f || l != l;
+      inv_sum[r] = empty ? 0.f : 1.f / l;
+      lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(l);
+    }
+    return inv_sum;
+  }
+};
+
+}  // namespace flash

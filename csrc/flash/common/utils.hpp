@@ -1,0 +1,78 @@
+// Register-fragment helpers shared by the kernels: WGMMA issue, accumulator views, conversions, quad reductions.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+namespace flash {
+
+using namespace cute;
+
+// Issues one asynchronous WGMMA over all k-blocks of A and B into C and commits it as one batch.
+// The caller waits (warpgroup_wait<N>) before reading C. zero_init overwrites C instead of accumulating.
+template <bool zero_init, class TiledMma, class TensorA, class TensorB, class TensorC>
+CUTLASS_DEVICE void wgmma(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB, TensorC& tCrC) {
+  // An A operand in registers must be fenced too, or the compiler may move its writes past the WGMMA.
+  constexpr bool kARegs =
+      !cute::is_same_v<cute::remove_cvref_t<decltype(tCrA.data())>, GMMA::DescriptorIterator>;
+  if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TensorA&>(tCrA)); }
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  if constexpr (zero_init) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
+  CUTLASS_PRAGMA_UNROLL
+  for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+    cute::gemm(tiled_mma, tCrA(_, _, k_block), tCrB(_, _, k_block), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TensorA&>(tCrA)); }
+}
+
+// WGMMA accumulator ((2, 2, V), MMA_M, MMA_N) viewed as (rows, cols) = ((2, MMA_M), (2, V, MMA_N)):
+// per thread, two rows (r and r + 8 of each 16-row slab) and pairs of adjacent columns.
+template <class Layout>
+CUTLASS_HOST_DEVICE constexpr auto acc_rowcol(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a WGMMA accumulator layout");
+  auto v = get<0>(acc);
+  return make_layout(make_layout(get<1>(v), get<1>(acc)), make_layout(get<0>(v), get<2>(v), get<2>(acc)));
+}
+
+// The accumulator of S = Q Kᵀ re-read as the register A operand of O += P V (16-bit inputs): the C fragment of
+// an m64nNk16 WGMMA holds, per 8 columns, the same (column pair, row pair) as the A fragment of k16 per 8 k's,
+// so grouping the column blocks in twos is the whole conversion: ((2,2,V),M,N) -> ((2,2,2),M,(V/2,N)).
+template <class Layout>
+CUTLASS_HOST_DEVICE constexpr auto acc_to_a_operand(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expects a WGMMA accumulator layout");
+  auto v = get<0>(acc);
+  auto col_blocks = logical_divide(get<2>(v), Int<2>{});  // (2, V/2)
+  return make_layout(make_layout(get<0>(v), get<1>(v), get<0>(col_blocks)), get<1>(acc),
+                     coalesce(make_layout(get<1>(col_blocks), get<2>(acc))));
+}
+
+// Element-wise conversion of a register fragment, vectorised by CUTLASS (packed cvt for pairs).
+template <class To, class Engine, class Layout>
+CUTLASS_DEVICE auto convert_type(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(cute::size(src))::value;
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  Tensor dst = make_tensor<To>(src.layout());
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+  return dst;
+}
+
+// The four threads of a quad hold the same accumulator rows; reduce across them.
+CUTLASS_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+CUTLASS_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+}  // namespace flash

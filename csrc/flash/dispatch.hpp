@@ -1,0 +1,22 @@
+// Entry points of the compiled kernel instantiations, one per (head_dim, dtype); defined in csrc/instantiations/.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flash/params.hpp"
+
+namespace flash {
+
+#define FLASH_FWD_DECLARE(HDIM, DTYPE_NAME) \
+  cudaError_t run_fwd_hdim##HDIM##_##DTYPE_NAME(FwdParams const& p, cudaStream_t stream);
+
+FLASH_FWD_DECLARE(64, fp16)
+FLASH_FWD_DECLARE(64, bf16)
+FLASH_FWD_DECLARE(128, fp16)
+FLASH_FWD_DECLARE(128, bf16)
+FLASH_FWD_DECLARE(256, fp16)
+FLASH_FWD_DECLARE(256, bf16)
+
+#undef FLASH_FWD_DECLARE
+
+}  // namespace flash

@@ -1,0 +1,271 @@
+// Warp-specialized forward attention kernel for sm_90a (FlashAttention-3 paper §3.1, Algorithm 1).
+//
+// Warp roles (one CTA per (m_block, head, batch) tile):
+//   warpgroup 0        Producer: one thread issues TMA loads of Q (once) and of K, V through a kStages-deep
+//                      shared-memory pipeline (PipelineTmaAsync: full/empty mbarriers); registers released.
+//   warpgroups 1..2    Consumers, 64 query rows each: S = Q Kᵀ (WGMMA, both operands in smem), mask, online
+//                      softmax (exp2), O += P V (WGMMA, P from registers, V from smem); epilogue writes O and LSE.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "flash/common/mask.hpp"
+#include "flash/common/softmax.hpp"
+#include "flash/common/utils.hpp"
+
+namespace flash {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct FwdKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int NumMmaWarpGroups = kBlockM / 64;
+  static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  // setmaxnreg budgets: 56 * 128 + 224 * 256 = 64512 of the 65536 registers per SM (24 made the producer spill).
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  static_assert(NumMmaWarpGroups == 2, "register budgets assume two consumer warpgroups");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q Kᵀ: (M, N, K = head_dim)
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V:   (M, N = head_dim, K)
+  using AtomLayout = Layout<Shape<Int<NumMmaWarpGroups>, _1, _1>>;        // warpgroups split M
+  using TiledMmaQK =
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(), AtomLayout{}));
+
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                 Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                  Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V stored (kBlockN, head_dim) head_dim-contiguous is, read transposed, the MN-major B operand of O += P V.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
+    cutlass::arch::ClusterTransactionBarrier barrier_q;
+    typename Pipeline::SharedStorage pipeline_k;
+    typename Pipeline::SharedStorage pipeline_v;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  // Global tensors as TMA sees them: (seqlen, head_dim, nheads, batch), head_dim contiguous.
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          make_layout(ShapeQKV{}, StrideQKV{})));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  struct Params {
+    TmaQ tma_q;
+    TmaKV tma_k;
+    TmaKV tma_v;
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    Element* o_ptr;
+    int64_t o_batch_stride, o_row_stride, o_head_stride;
+    float* lse_ptr;
+    int nheads, seqlen_q, seqlen_k;
+    float softmax_scale, softmax_scale_log2;
+    bool is_causal;
+  };
+};
+
+// Producer perspective: loads Q, then K and V tiles from the last visible key block down to the first.
+template <class Traits>
+CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
+                                 typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
+                                 int m_block, int bidh, int bidb, int n_block_min, int n_block_max) {
+  using Element = typename Traits::Element;
+  using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});   // (M, d)
+  Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});  // (N, d, stages)
+  Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});  // (N, d, stages)
+
+  Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);  // (seqlen_q, d)
+  Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh, bidb);  // (seqlen_k, d)
+  Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh, bidb);  // (seqlen_k, d)
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));  // (M, d)
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n_blocks)
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n_blocks)
+
+  auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+  auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+  ss.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
+  copy(params.tma_q.with(reinterpret_cast<BarrierType&>(ss.barrier_q), 0), tQgQ, tQsQ);
+
+  auto write_state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    pipeline_k.producer_acquire(write_state);
+    copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_state), 0), tKgK(_, n_block),
+         tKsK(_, write_state.index()));
+    pipeline_v.producer_acquire(write_state);
+    copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_state), 0), tVgV(_, n_block),
+         tVsV(_, write_state.index()));
+    ++write_state;
+  }
+  // Keep the producer alive until the consumers have released every stage it filled.
+  pipeline_k.producer_tail(write_state);
+  pipeline_v.producer_tail(write_state);
+}
+
+// Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)).
+template <class Traits>
+CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
+                                 typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
+                                 int mma_tidx, int m_block, int bidh, int bidb, int n_block_min, int n_block_max) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+  typename Traits::TiledMmaQK tiled_mma_qk;
+  typename Traits::TiledMmaPV tiled_mma_pv;
+  auto thr_mma_qk = tiled_mma_qk.get_thread_slice(mma_tidx);
+  auto thr_mma_pv = tiled_mma_pv.get_thread_slice(mma_tidx);
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutVt{});
+  Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+  Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+
+  Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
+  Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
+  OnlineSoftmax<kRows> softmax(params.softmax_scale_log2);
+  Mask<kBlockM, kBlockN> mask{params.seqlen_q, params.seqlen_k, params.is_causal};
+  clear(tOrO);
+
+  if (n_block_max > n_block_min) {
+    ss.barrier_q.wait(0);
+    typename Traits::PipelineState read_state;
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      Tensor tSrS = partition_fragment_C(tiled_mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipeline_k.consumer_wait(read_state);
+      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
+      warpgroup_wait<0>();
+      pipeline_k.consumer_release(read_state);
+
+      if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
+      auto rescale = softmax.step(tSrS);
+      OnlineSoftmax<kRows>::scale_rows(tOrO, rescale);
+      Tensor tOrP = make_tensor(convert_type<Element>(tSrS).data(), acc_to_a_operand(tSrS.layout()));
+
+      pipeline_v.consumer_wait(read_state);
+      wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_state.index()), tOrO);
+      warpgroup_wait<0>();
+      pipeline_v.consumer_release(read_state);
+      ++read_state;
+    }
+  }
+
+  // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q are not written).
+  cute::array<float, kRows> lse;
+  auto inv_sum = softmax.finalize(params.softmax_scale, lse);
+  OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
+  Tensor tOrO_out = convert_type<Element>(tOrO);
+  Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
+  Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor c = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  Element* o_base = params.o_ptr + bidb * params.o_batch_stride + bidh * params.o_head_stride;
+  float* lse_base = params.lse_ptr + (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    int const row = m_block * kBlockM + get<0>(c(r, 0));
+    if (row < params.seqlen_q) {
+      Element* o_row = o_base + row * params.o_row_stride;
+      // Columns come in adjacent pairs: one 32-bit store each.
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(o); j += 2) {
+        int const col = get<1>(c(r, j));
+        cutlass::Array<Element, 2> pair;
+        pair[0] = o(r, j);
+        pair[1] = o(r, j + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
+      }
+      if (mma_tidx % 4 == 0) { lse_base[row] = lse[r]; }
+    }
+  }
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::NumThreads, 1)
+    flash_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename Traits::Params const params) {
+  using Pipeline = typename Traits::Pipeline;
+  extern __shared__ char smem_buf[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
+
+  int const warp_idx = cutlass::canonical_warp_idx_sync();
+  int const warp_group_idx = cutlass::canonical_warp_group_idx();
+  bool const lane_predicate = cute::elect_one_sync();
+  // Longest causal rows first: the last query blocks see the most keys.
+  int const m_block = gridDim.x - 1 - blockIdx.x;
+  int const bidh = blockIdx.y;
+  int const bidb = blockIdx.z;
+
+  if (warp_idx == 0 && lane_predicate) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    ss.barrier_q.init(/*arrive_count=*/1);
+  }
+
+  typename Pipeline::Params pipeline_params;
+  pipeline_params.transaction_bytes = Traits::kTmaBytesKV;
+  pipeline_params.role = warp_group_idx == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = Traits::NumMmaThreads;
+  Pipeline pipeline_k(ss.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_v(ss.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+  // Barrier initialisation must be visible to every thread (and the async proxy) before first use.
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  BlockRange<Traits::kBlockM, Traits::kBlockN> range(m_block, params.seqlen_q, params.seqlen_k, params.is_causal);
+
+  if (warp_group_idx == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    // The pipeline's leader (thread 0) is the one thread that issues every TMA load.
+    if (threadIdx.x == 0 && !range.empty()) {
+      fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, m_block, bidh, bidb, range.n_block_min,
+                           range.n_block_max);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    fwd_consumer<Traits>(params, ss, pipeline_k, pipeline_v, threadIdx.x - cutlass::NumThreadsPerWarpGroup, m_block,
+                         bidh, bidb, range.n_block_min, range.n_block_max);
+  }
+}
+
+}  // namespace flash

@@ -1,0 +1,53 @@
+"""Loads the compiled extension, which registers ``torch.ops.flash_attn_hopper.*`` through TORCH_LIBRARY.
+
+The shared object has no Python module init (it is built with the limited API and holds no pybind code),
+so it is loaded with ``torch.ops.load_library`` rather than imported.
+"""
+
+import glob
+import os
+
+import torch
+
+_LIB_DIR = os.path.dirname(os.path.abspath(__file__))
+_load_error = None
+
+
+def _load():
+    global _load_error
+    candidates = sorted(glob.glob(os.path.join(_LIB_DIR, "_C*.so")))
+    if not candidates:
+        _load_error = (
+            "the flash_attn_hopper CUDA extension is not built; install with "
+            "`pip install --no-build-isolation .` on a machine with nvcc and the nvidia-cutlass wheel"
+        )
+        return False
+    try:
+        torch.ops.load_library(candidates[0])
+    except OSError as e:  # pragma: no cover - depends on the local build
+        _load_error = f"loading {candidates[0]} failed: {e}"
+        return False
+    return True
+
+
+EXTENSION_LOADED = _load()
+
+
+def require_extension():
+    """Raises RuntimeError with the reason when the compiled extension is unavailable."""
+    if not EXTENSION_LOADED:
+        raise RuntimeError(_load_error)
+
+
+def build_config():
+    """The head dims and dtypes compiled into the extension: ``{"head_dims": [...], "dtypes": [...]}``."""
+    require_extension()
+    text = torch.ops.flash_attn_hopper.build_config()
+    cfg = {}
+    for part in text.split(";"):
+        key, _, value = part.partition("=")
+        cfg[key] = [v for v in value.split(",") if v]
+    return {
+        "head_dims": [int(v) for v in cfg.get("head_dims", [])],
+        "dtypes": [{"fp16": torch.float16, "bf16": torch.bfloat16}[v] for v in cfg.get("dtypes", [])],
+    }

@@ -1,0 +1,181 @@
+"""Public entry points of flash_attn_hopper."""
+
+import math
+import numbers
+
+import torch
+
+from . import _ops
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# TMA reads global memory with 16-byte aligned base and strides.
+_TMA_ALIGN_BYTES = 16
+
+
+def _check_tensor_args(q, k, v):
+    """Shape/dtype/stride checks that need no GPU. Raises TypeError or ValueError naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are torch.float16 and torch.bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have rank 4 (batch, seqlen, nheads, head_dim), got rank {t.dim()} with shape {tuple(t.shape)}"
+            )
+    batch, _, nheads, head_dim = q.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != batch:
+            raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {batch}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape[1]} and v {v.shape[1]}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[2] != nheads:
+            raise ValueError(
+                f"{name} has {t.shape[2]} heads but q has {nheads}; this version needs nheads_k == nheads"
+            )
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[3] != head_dim:
+            raise ValueError(f"{name} has head_dim {t.shape[3]} but q has head_dim {head_dim}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q has head_dim {head_dim}; supported head_dim values are {list(SUPPORTED_HEAD_DIMS)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have stride 1 in its last dimension (head_dim), got stride {t.stride(-1)}; "
+                f"call {name}.contiguous() first"
+            )
+
+
+def _check_devices(named_devices):
+    """named_devices: [(name, torch.device)]. Raises ValueError unless all are the same CUDA device."""
+    for name, dev in named_devices:
+        if dev.type != "cuda":
+            raise ValueError(f"{name} is on device '{dev}'; flash_attn_hopper needs tensors on a CUDA device")
+    first_name, first = named_devices[0]
+    for name, dev in named_devices[1:]:
+        if dev != first:
+            raise ValueError(f"{name} is on {dev} but {first_name} is on {first}; all tensors must be on one device")
+
+
+def _check_sm90(name, device):
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise ValueError(
+            f"{name} is on {device}, a GPU of compute capability {major}.{minor} "
+            f"({torch.cuda.get_device_name(device)}); flash_attn_hopper needs an sm90 GPU (H100/H200)"
+        )
+
+
+def _check_scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    softmax_scale = float(softmax_scale)
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    return softmax_scale
+
+
+def _tma_ready(t):
+    """A view TMA can read in place: 16-byte aligned base and 16-byte multiple strides (size-1 dims excepted)."""
+    esize = t.element_size()
+    if t.data_ptr() % _TMA_ALIGN_BYTES:
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+        if size > 1 and (stride * esize) % _TMA_ALIGN_BYTES != 0:
+            return t.contiguous()
+    return t
+
+
+def _check_compiled(head_dim, dtype):
+    cfg = _ops.build_config()
+    if head_dim not in cfg["head_dims"]:
+        raise ValueError(
+            f"q has head_dim {head_dim}, which this build does not include (built with head_dims {cfg['head_dims']}; "
+            "rebuild without FAH_HDIMS to get all)"
+        )
+    if dtype not in cfg["dtypes"]:
+        raise TypeError(f"q has dtype {dtype}, which this build does not include (built with {cfg['dtypes']})")
+
+
+def _forward(q, k, v, softmax_scale, causal):
+    """Validated inputs in, (out, lse) out. Handles empty problems without a launch."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    if batch == 0 or nheads == 0 or seqlen_q == 0 or seqlen_k == 0:
+        out = torch.zeros(batch, seqlen_q, nheads, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
+        return out, lse
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    return torch.ops.flash_attn_hopper.fwd(q, k, v, softmax_scale, causal)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal):
+        out, lse = _forward(q, k, v, softmax_scale, causal)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("flash_attn_hopper: the backward pass is not implemented yet (issue 3)")
+
+
+def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    """Exact scaled dot-product attention on Hopper GPUs (FlashAttention-3 forward).
+
+    Computes, per batch element and head, ``O = softmax(softmax_scale * Q Kᵀ + mask) V`` with the
+    online softmax of the FlashAttention-3 paper (Shah et al., 2024), §3.1 (Algorithm 1: warp-specialized
+    TMA producer, WGMMA consumers, exp2-domain online softmax); the math is §2.1, eq. for S, P, O.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, head_dim)``, torch.float16 or torch.bfloat16, on an sm90 CUDA device.
+        k: ``(batch, seqlen_k, nheads, head_dim)``, same dtype and device as q.
+        v: ``(batch, seqlen_k, nheads, head_dim)``, same dtype and device as q.
+            head_dim is 64, 128 or 256; seqlen_q, seqlen_k >= 0 and may differ. Only the last dimension must
+            be contiguous (stride 1); other strides are read in place (q, k, v may be slices of one packed
+            tensor) when they are multiples of 16 bytes and the base is 16-byte aligned, otherwise the tensor
+            is copied first.
+        softmax_scale: multiplier of Q Kᵀ before the softmax (unitless); default ``1 / sqrt(head_dim)``.
+        causal: if True, query row i sees key j only when ``j <= i + seqlen_k - seqlen_q`` (causal mask
+            aligned to the bottom-right corner; note SDPA's ``is_causal`` is aligned top-left).
+        return_lse: if True, also return the log-sum-exp of each row of scaled scores.
+
+    Returns:
+        ``out`` of shape ``(batch, seqlen_q, nheads, head_dim)`` in q's dtype, or ``(out, lse)`` with ``lse``
+        float32 ``(batch, nheads, seqlen_q)``, natural log. A query row that sees no key (causal with
+        seqlen_q > seqlen_k) has an output row of exactly 0 and LSE ``-inf``.
+
+    Raises:
+        TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
+            softmax_scale is not a real number.
+        ValueError: rank is not 4; batch, nheads or head_dim differ between q, k, v; seqlen_k differs between
+            k and v; head_dim is not 64/128/256 (or not in this build); the last dimension's stride is not 1;
+            a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;
+            softmax_scale is not finite and positive.
+        RuntimeError: the compiled extension is not available.
+
+    Inputs are never modified. The kernel runs on the current CUDA stream of q's device.
+    """
+    _check_tensor_args(q, k, v)
+    softmax_scale = _check_scale(softmax_scale, q.shape[-1])
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
+    _check_sm90("q", q.device)
+    _ops.require_extension()
+    _check_compiled(q.shape[-1], q.dtype)
+    with torch.cuda.device(q.device):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out, lse = _AttentionFunction.apply(q, k, v, softmax_scale, causal)
+        else:
+            out, lse = _forward(q, k, v, softmax_scale, causal)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,113 @@
+"""Builds flash_attn_hopper._C: CUDA kernels for sm_90a on CUTLASS/CuTe, ops registered through TORCH_LIBRARY.
+
+Knobs (environment):
+  FAH_HDIMS=64,128,256   head dims to compile (default all); one for fast development builds
+  FAH_DTYPES=fp16,bf16   dtypes to compile (default both)
+  CUTLASS_PATH=/path     CUTLASS source tree (default: the installed nvidia-cutlass wheel)
+  MAX_JOBS=N             parallel compile jobs (torch's ninja builder)
+"""
+
+import os
+import sys
+
+from setuptools import setup
+
+ALL_HDIMS = (64, 128, 256)
+ALL_DTYPES = ("fp16", "bf16")
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _list_knob(name, allowed, cast):
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return list(allowed)
+    values = [cast(x.strip()) for x in raw.split(",") if x.strip()]
+    bad = [x for x in values if x not in allowed]
+    if bad:
+        sys.exit(f"{name}: {bad} not in {list(allowed)}")
+    return [x for x in allowed if x in values]
+
+
+def _cutlass_dir():
+    path = os.environ.get("CUTLASS_PATH")
+    if not path:
+        try:
+            import cutlass_library
+        except ImportError:
+            sys.exit("CUTLASS headers not found: `pip install nvidia-cutlass==4.2.0.0` or set CUTLASS_PATH")
+        path = cutlass_library.source_path
+    inc = os.path.join(path, "include")
+    if not os.path.isfile(os.path.join(inc, "cute", "tensor.hpp")):
+        sys.exit(f"CUTLASS headers not found under {inc}")
+    return path
+
+
+def _cxx_std():
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "c++20" if (major, minor) >= (2, 13) else "c++17"
+
+
+def _extension():
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+
+    hdims = _list_knob("FAH_HDIMS", ALL_HDIMS, int)
+    dtypes = _list_knob("FAH_DTYPES", ALL_DTYPES, str)
+    cutlass = _cutlass_dir()
+    std = _cxx_std()
+    sources = ["csrc/api/flash_api.cpp"] + [
+        f"csrc/instantiations/fwd_hdim{h}_{d}_sm90.cu" for h in hdims for d in dtypes
+    ]
+    defines = [f"-DFAH_HDIM{h}" for h in hdims] + [f"-DFAH_{d.upper()}" for d in dtypes]
+    include_dirs = [
+        os.path.join(ROOT, "csrc"),
+        os.path.join(cutlass, "include"),
+        os.path.join(cutlass, "tools", "util", "include"),
+    ]
+    cccl = os.path.join(CUDA_HOME or "/usr/local/cuda", "include", "cccl")
+    if os.path.isdir(cccl):
+        include_dirs.append(cccl)
+    nvcc_flags = [
+        f"-std={std}",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-O3",
+        "-DNDEBUG",
+        "--use_fast_math",
+        "-lineinfo",
+        "--expt-relaxed-constexpr",
+        "--expt-extended-lambda",
+        "-DCUTLASS_ENABLE_GDC_FOR_SM90",
+        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
+        "-Xptxas=-v" if os.environ.get("FAH_PTXAS_VERBOSE") else "",
+        "--resource-usage" if os.environ.get("FAH_PTXAS_VERBOSE") else "",
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    ] + defines
+    nvcc_flags = [f for f in nvcc_flags if f]
+    cxx_flags = [f"-std={std}", "-O3", "-DNDEBUG"] + defines
+    del torch
+    return CUDAExtension(
+        name="flash_attn_hopper._C",
+        sources=sources,
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        libraries=["cuda"],
+        py_limited_api=True,
+    )
+
+
+def _build_ext():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return BuildExtension.with_options(use_ninja=True)
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": _build_ext()},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)

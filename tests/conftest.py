@@ -1,0 +1,61 @@
+"""Shared pytest setup: the ``requires_sm90`` marker and a per-test seed.
+
+Mark a test (or a module, through ``pytestmark``) with ``@pytest.mark.requires_sm90`` and it is skipped, with the
+reason, unless an sm90 GPU (H100/H200) is visible and the compiled extension is loaded. The reason is worked out
+once per session; see ``sm90_skip_reason``.
+"""
+
+import functools
+import zlib
+
+import pytest
+import torch
+
+import flash_attn_hopper
+from flash_attn_hopper import _ops
+
+
+@functools.lru_cache(maxsize=None)
+def sm90_skip_reason():
+    """None when GPU tests can run here, else a sentence saying why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: GPU tests need an sm90 GPU (H100/H200)"
+    device = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"cuda:{device} is {name} (compute capability {major}.{minor}, sm{major}{minor}): "
+            "GPU tests need an sm90 GPU (H100/H200)"
+        )
+    if not flash_attn_hopper.EXTENSION_LOADED:
+        return f"extension not built: {_ops._load_error}"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "requires_sm90: needs an sm90 GPU (H100/H200) and the built extension; skipped with the reason otherwise",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [item for item in items if item.get_closest_marker("requires_sm90") is not None]
+    if not marked:
+        return
+    reason = sm90_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in marked:
+        item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def seed(request):
+    """Seeds torch (CPU and every CUDA device) with a value derived from the test id: fresh data per test,
+    the same data on every run of that test. Returns the seed."""
+    value = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(value)
+    return value

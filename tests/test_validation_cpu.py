@@ -1,0 +1,323 @@
+"""Every input check of ``flash_attn_hopper.attention``, on CPU: each case asserts the exception type and that the
+message names the offending argument (and, where there is one, the accepted values).
+
+No GPU is needed: ``attention`` checks types, shapes and strides before devices, so CPU tensors reach every shape
+check; the device checks are called directly (``interface._check_devices`` / ``_check_sm90``)."""
+
+import math
+import re
+
+import pytest
+import torch
+
+import flash_attn_hopper
+from flash_attn_hopper import _ops, attention, interface
+
+B, SQ, SK, H, D = 2, 5, 7, 3, 64
+
+
+def _qkv(dtype=torch.float16, head_dim=D, seqlen_q=SQ, seqlen_k=SK):
+    q = torch.randn(B, seqlen_q, H, head_dim).to(dtype)
+    k = torch.randn(B, seqlen_k, H, head_dim).to(dtype)
+    v = torch.randn(B, seqlen_k, H, head_dim).to(dtype)
+    return q, k, v
+
+
+def _replace(name, new, q, k, v):
+    args = {"q": q, "k": k, "v": v}
+    args[name] = new
+    return args["q"], args["k"], args["v"]
+
+
+def _shape_with(t, dim, value):
+    shape = list(t.shape)
+    shape[dim] = value
+    return torch.randn(shape).to(t.dtype)
+
+
+# --------------------------------------------------------------------------------------------- types and dtypes
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [None, 1.0, [[1.0]], "q"], ids=["None", "float", "list", "str"])
+def test_not_a_tensor(name, bad):
+    q, k, v = _replace(name, bad, *_qkv())
+    with pytest.raises(TypeError, match=rf"^{name} must be a torch\.Tensor, got {type(bad).__name__}"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.bool, torch.uint8])
+def test_unsupported_dtype(name, dtype):
+    q, k, v = _qkv()
+    bad = {"q": q, "k": k, "v": v}[name].to(dtype)
+    q, k, v = _replace(name, bad, q, k, v)
+    with pytest.raises(TypeError, match=rf"^{name} has dtype {re.escape(str(dtype))}") as info:
+        attention(q, k, v)
+    assert "torch.float16" in str(info.value) and "torch.bfloat16" in str(info.value)
+
+
+def test_all_float32_names_q():
+    q, k, v = (t.float() for t in _qkv())
+    with pytest.raises(TypeError, match=r"^q has dtype torch\.float32"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_dtype_mismatch(name):
+    q, k, v = _qkv(torch.float16)
+    bad = {"q": q, "k": k, "v": v}[name].to(torch.bfloat16)
+    q, k, v = _replace(name, bad, q, k, v)
+    with pytest.raises(TypeError, match=r"q, k and v must share one dtype") as info:
+        attention(q, k, v)
+    msg = str(info.value)
+    assert f"{name} torch.bfloat16" in msg
+    assert msg.count("torch.float16") == 2
+
+
+# ------------------------------------------------------------------------------------------------------ shapes
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("rank", [3, 5])
+def test_wrong_rank(name, rank):
+    q, k, v = _qkv()
+    t = {"q": q, "k": k, "v": v}[name]
+    bad = t[:, :, 0] if rank == 3 else t.unsqueeze(0)
+    q, k, v = _replace(name, bad, q, k, v)
+    with pytest.raises(ValueError, match=rf"^{name} must have rank 4 .* got rank {rank}"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_batch_mismatch(name):
+    q, k, v = _qkv()
+    bad = _shape_with({"k": k, "v": v}[name], 0, B + 1)
+    q, k, v = _replace(name, bad, q, k, v)
+    with pytest.raises(ValueError, match=rf"^{name} has batch {B + 1} but q has batch {B}"):
+        attention(q, k, v)
+
+
+def test_batch_mismatch_when_q_differs():
+    q, k, v = _qkv()
+    q = _shape_with(q, 0, B + 1)
+    with pytest.raises(ValueError, match=rf"^k has batch {B} but q has batch {B + 1}"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_seqlen_k_mismatch(name):
+    q, k, v = _qkv()
+    bad = _shape_with({"k": k, "v": v}[name], 1, SK + 2)
+    q, k, v = _replace(name, bad, q, k, v)
+    ks, vs = (SK + 2, SK) if name == "k" else (SK, SK + 2)
+    with pytest.raises(ValueError, match=rf"^k and v must have the same seqlen_k, got k {ks} and v {vs}"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_nheads_mismatch(name):
+    q, k, v = _qkv()
+    bad = _shape_with({"k": k, "v": v}[name], 2, 1)
+    q, k, v = _replace(name, bad, q, k, v)
+    with pytest.raises(ValueError, match=rf"^{name} has 1 heads but q has {H}"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_head_dim_mismatch(name):
+    q, k, v = _qkv()
+    bad = _shape_with({"k": k, "v": v}[name], 3, 128)
+    q, k, v = _replace(name, bad, q, k, v)
+    with pytest.raises(ValueError, match=rf"^{name} has head_dim 128 but q has head_dim {D}"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 96, 100, 192, 512])
+def test_unsupported_head_dim(head_dim):
+    q, k, v = _qkv(head_dim=head_dim)
+    with pytest.raises(ValueError, match=rf"^q has head_dim {head_dim}; supported head_dim values are") as info:
+        attention(q, k, v)
+    assert "[64, 128, 256]" in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------- strides
+
+
+def _transposed_view(t):
+    """Same shape and values as t, last-dim stride != 1 (a transposed view of a (b, s, d, h) tensor)."""
+    b, s, h, d = t.shape
+    view = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert view.shape == t.shape and view.stride(-1) == h
+    return view
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("kind", ["transposed", "every_other"])
+def test_last_dim_stride_not_one(name, kind):
+    q, k, v = _qkv()
+    t = {"q": q, "k": k, "v": v}[name]
+    if kind == "transposed":
+        bad = _transposed_view(t)
+    else:
+        bad = torch.randn(*t.shape[:-1], 2 * t.shape[-1]).to(t.dtype)[..., ::2]
+        assert bad.shape == t.shape and bad.stride(-1) == 2
+    q, k, v = _replace(name, bad, q, k, v)
+    with pytest.raises(ValueError, match=rf"^{name} must have stride 1 in its last dimension"):
+        attention(q, k, v)
+
+
+def test_other_strides_pass_the_checks():
+    """Slices of one packed (b, s, 3, h, d) tensor and a misaligned view pass every shape/stride check; the call
+    then fails only on the device (CPU), not before."""
+    qkv = torch.randn(B, SQ, 3, H, D).half()
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    interface._check_tensor_args(q, k, v)
+    wide = torch.randn(B, SQ, H, D + 8).half()
+    interface._check_tensor_args(wide[..., 1 : 1 + D], k, v)
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'.*CUDA"):
+        attention(q, k, v)
+
+
+# --------------------------------------------------------------------------------------- softmax_scale, causal
+
+
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), float("-inf"), 0.0, 0, -0.5], ids=["nan", "inf", "-inf", "zero", "int0", "neg"]
+)
+def test_softmax_scale_not_finite_or_not_positive(bad):
+    with pytest.raises(ValueError, match=r"^softmax_scale must be finite and > 0, got " + re.escape(str(float(bad)))):
+        attention(*_qkv(), softmax_scale=bad)
+
+
+@pytest.mark.parametrize(
+    "bad", ["0.125", True, torch.tensor(0.125), [0.125], 1 + 2j], ids=["str", "bool", "tensor", "list", "complex"]
+)
+def test_softmax_scale_wrong_type(bad):
+    with pytest.raises(TypeError, match=r"^softmax_scale must be a float or None, got " + type(bad).__name__):
+        attention(*_qkv(), softmax_scale=bad)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_softmax_scale_default_and_accepted_values(head_dim):
+    assert interface._check_scale(None, head_dim) == 1.0 / math.sqrt(head_dim)
+    assert interface._check_scale(0.3, head_dim) == 0.3
+    assert interface._check_scale(2, head_dim) == 2.0 and isinstance(interface._check_scale(2, head_dim), float)
+    assert interface._check_scale(1e-3, head_dim) == 1e-3
+
+
+@pytest.mark.parametrize("bad", [1, 0, "True", None, 1.0], ids=["int1", "int0", "str", "None", "float"])
+def test_causal_not_bool(bad):
+    with pytest.raises(TypeError, match=r"^causal must be a bool, got " + type(bad).__name__):
+        attention(*_qkv(), causal=bad)
+
+
+# ----------------------------------------------------------------------------------------------------- devices
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_tensors_rejected(causal):
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'; flash_attn_hopper needs tensors on a CUDA device"):
+        attention(*_qkv(), causal=causal)
+
+
+def test_shape_errors_come_before_device_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"^k has head_dim"):
+        attention(q, _shape_with(k, 3, 128), v)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_check_devices_names_the_cpu_tensor(name):
+    devs = {"q": torch.device("cuda:0"), "k": torch.device("cuda:0"), "v": torch.device("cuda:0")}
+    devs[name] = torch.device("cpu")
+    with pytest.raises(ValueError, match=rf"^{name} is on device 'cpu'; .*CUDA device"):
+        interface._check_devices(list(devs.items()))
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_check_devices_different_cuda_devices(name):
+    devs = {"q": torch.device("cuda:0"), "k": torch.device("cuda:0"), "v": torch.device("cuda:0")}
+    devs[name] = torch.device("cuda:1")
+    with pytest.raises(ValueError, match=rf"^{name} is on cuda:1 but q is on cuda:0; all tensors must be on one"):
+        interface._check_devices(list(devs.items()))
+
+
+def test_check_devices_accepts_one_cuda_device():
+    assert interface._check_devices([(n, torch.device("cuda:1")) for n in "qkv"]) is None
+
+
+def test_check_sm90_rejects_other_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"^q is on cuda:0, a GPU of compute capability 8\.0") as info:
+        interface._check_sm90("q", torch.device("cuda:0"))
+    msg = str(info.value)
+    assert "NVIDIA A100" in msg and "sm90" in msg and "H100/H200" in msg
+
+
+@pytest.mark.parametrize("capability", [(9, 0)])
+def test_check_sm90_accepts_hopper(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert interface._check_sm90("q", torch.device("cuda:0")) is None
+
+
+@pytest.mark.parametrize("capability", [(10, 0), (12, 0), (8, 9)])
+def test_check_sm90_rejects_newer_and_older(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    with pytest.raises(ValueError, match=rf"^q is on cuda:0, a GPU of compute capability {capability[0]}\."):
+        interface._check_sm90("q", torch.device("cuda:0"))
+
+
+# ---------------------------------------------------------------------------------------- build and extension
+
+
+def test_check_compiled_names_head_dim_and_dtype(monkeypatch):
+    monkeypatch.setattr(_ops, "build_config", lambda: {"head_dims": [128], "dtypes": [torch.float16]})
+    with pytest.raises(ValueError, match=r"^q has head_dim 64, which this build does not include") as info:
+        interface._check_compiled(64, torch.float16)
+    assert "[128]" in str(info.value)
+    with pytest.raises(TypeError, match=r"^q has dtype torch\.bfloat16, which this build does not include"):
+        interface._check_compiled(128, torch.bfloat16)
+    assert interface._check_compiled(128, torch.float16) is None
+
+
+@pytest.mark.skipif(flash_attn_hopper.EXTENSION_LOADED, reason="the extension is loaded here")
+def test_missing_extension_raises_runtime_error(monkeypatch):
+    # Pretend the device checks pass, so the call gets as far as the extension.
+    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
+    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
+    with pytest.raises(RuntimeError, match="extension is not built"):
+        attention(*_qkv())
+    with pytest.raises(RuntimeError, match="extension is not built"):
+        flash_attn_hopper.build_config()
+
+
+# ------------------------------------------------------------------------------------- failed calls touch nothing
+
+
+@pytest.mark.parametrize(
+    "case", ["cpu_device", "bad_scale", "bad_causal", "head_dim_mismatch", "dtype_mismatch", "stride"]
+)
+def test_failed_call_leaves_inputs_unchanged(case):
+    q, k, v = _qkv()
+    kwargs = {}
+    if case == "bad_scale":
+        kwargs["softmax_scale"] = float("nan")
+    elif case == "bad_causal":
+        kwargs["causal"] = 1
+    elif case == "head_dim_mismatch":
+        v = _shape_with(v, 3, 128)
+    elif case == "dtype_mismatch":
+        k = k.to(torch.bfloat16)
+    elif case == "stride":
+        q = _transposed_view(q)
+    before = [(t.clone(), t.shape, t.stride(), t.dtype, t.data_ptr()) for t in (q, k, v)]
+    with pytest.raises((TypeError, ValueError)):
+        attention(q, k, v, **kwargs)
+    for t, (clone, shape, stride, dtype, ptr) in zip((q, k, v), before):
+        assert t.shape == shape and t.stride() == stride and t.dtype == dtype and t.data_ptr() == ptr
+        assert torch.equal(t, clone)
