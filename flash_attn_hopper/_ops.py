@@ -25,7 +25,10 @@ def _load():
     try:
         torch.ops.load_library(candidates[0])
     except OSError as e:  # pragma: no cover - depends on the local build
-        _load_error = f"loading {candidates[0]} failed: {e}"
+        _load_error = (
+            f"the flash_attn_hopper CUDA extension could not be loaded from {candidates[0]} "
+            f"(built against another torch? rebuild it): {e}"
+        )
         return False
     return True
 

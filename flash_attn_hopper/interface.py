@@ -11,6 +11,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # TMA reads global memory with 16-byte aligned base and strides.
 _TMA_ALIGN_BYTES = 16
+_FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _check_tensor_args(q, k, v):
@@ -78,18 +80,22 @@ def _check_scale(softmax_scale, head_dim):
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     softmax_scale = float(softmax_scale)
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    # The kernel takes softmax_scale and softmax_scale * log2(e) as normal float32 values.
+    if not (_FLOAT32_TINY <= softmax_scale <= _FLOAT32_MAX / math.log2(math.e)):
+        raise ValueError(
+            f"softmax_scale must be a positive float32-representable value in [{_FLOAT32_TINY:.3g}, "
+            f"{_FLOAT32_MAX / math.log2(math.e):.3g}], got {softmax_scale}"
+        )
     return softmax_scale
 
 
 def _tma_ready(t):
-    """A view TMA can read in place: 16-byte aligned base and 16-byte multiple strides (size-1 dims excepted)."""
+    """A view TMA can read in place: 16-byte aligned base, nonzero 16-byte multiple strides (size-1 dims excepted)."""
     esize = t.element_size()
     if t.data_ptr() % _TMA_ALIGN_BYTES:
         return t.contiguous() if not t.is_contiguous() else t.clone()
     for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
-        if size > 1 and (stride * esize) % _TMA_ALIGN_BYTES != 0:
+        if size > 1 and (stride == 0 or (stride * esize) % _TMA_ALIGN_BYTES != 0):
             return t.contiguous()
     return t
 

@@ -214,11 +214,6 @@ def test_rule_rejects_error_just_over_the_bound():
     assert_close_by_rule(out, ref, naive, "out", floor=floor)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="testing.assert_close_by_rule bug: an infinity in ref_naive where ref is finite makes the tolerance "
-    "infinite, so any output passes (reported; remove this xfail once the rule rejects it)",
-)
 def test_rule_rejects_when_naive_reference_is_infinite():
     _, _, _, ref, _, naive, _ = _rule_case(torch.float16)
     naive = naive.clone()

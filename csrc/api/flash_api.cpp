@@ -75,8 +75,8 @@ void check_qkv(at::Tensor const& t, char const* name, at::Tensor const& q) {
               " must match q in batch, nheads and head_dim");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned (TMA)");
   for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(t.size(d) == 1 || (t.stride(d) * t.element_size()) % 16 == 0, name, " stride of dim ", d,
-                " must be a multiple of 16 bytes (TMA)");
+    TORCH_CHECK(t.size(d) == 1 || (t.stride(d) != 0 && (t.stride(d) * t.element_size()) % 16 == 0), name, " stride of dim ", d,
+                " must be a nonzero multiple of 16 bytes (TMA)");
   }
 }
 
