@@ -69,20 +69,33 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
     p.add_argument("--head-dims", type=_int_list, default="64,128,256", help="comma-separated (default 64,128,256)")
     p.add_argument(
-        "--seqlens", type=_int_list, default=",".join(map(str, DEFAULT_SEQLENS)),
+        "--seqlens",
+        type=_int_list,
+        default=",".join(map(str, DEFAULT_SEQLENS)),
         help="comma-separated seqlen_q = seqlen_k values (default %(default)s)",
     )
     p.add_argument("--causal", choices=("both", "no", "yes"), default="both", help="causal masks to run (default both)")
-    p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen; batch = max(1, tokens // seqlen) (default 16384)")
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="batch * seqlen; batch = max(1, tokens // seqlen) (default 16384)"
+    )
     p.add_argument("--hidden", type=int, default=2048, help="nheads * head_dim (default 2048)")
-    p.add_argument("--backends", type=_backend_list, default="ours,cudnn,fa2", help="subset of ours,cudnn,fa2 (default all)")
+    p.add_argument(
+        "--backends", type=_backend_list, default="ours,cudnn,fa2", help="subset of ours,cudnn,fa2 (default all)"
+    )
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms (default 100)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
-    p.add_argument("--json", default=None, help=f"output JSON path (default {os.path.relpath(DEFAULT_JSON)}; "
-                   f"{os.path.relpath(DEFAULT_SMOKE_JSON)} with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="one tiny point (seqlen 256, 2 heads) with short timing, "
-                   "to check the script itself")
+    p.add_argument(
+        "--json",
+        default=None,
+        help=f"output JSON path (default {os.path.relpath(DEFAULT_JSON)}; "
+        f"{os.path.relpath(DEFAULT_SMOKE_JSON)} with --smoke)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny point (seqlen 256, 2 heads) with short timing, to check the script itself",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -331,7 +344,7 @@ def run_point(torch, F, fah, timer, args, head_dim, causal, seqlen, dtype, ours_
             continue
         fn = make_fn(name)
         try:
-            ms = in_backend(name, lambda: timer(fn))
+            ms = in_backend(name, lambda fn=fn: timer(fn))
         except Exception as e:  # noqa: BLE001
             rec["errors"][name] = "timing failed: " + _describe(e)
             continue
@@ -343,7 +356,6 @@ def run_point(torch, F, fah, timer, args, head_dim, causal, seqlen, dtype, ours_
     for name in args.backends:
         rec["tflops"].setdefault(name, None)
         rec["ms"].setdefault(name, None)
-    del q, k, v, qt, kt, vt
     return rec
 
 
@@ -371,11 +383,18 @@ def format_table(results):
             md = "n/a"
         if chk.get("flag"):
             md += " !"
-        lines.append(
-            f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | {_fmt(t.get('ours'), '.1f')} | "
-            f"{_fmt(t.get('cudnn'), '.1f')} | {_fmt(t.get('fa2'), '.1f')} | {_fmt(r['ratio'].get('ours/cudnn'), '.2f')} | "
-            f"{_fmt(r['ratio'].get('ours/fa2'), '.2f')} | {md} |"
-        )
+        cells = [
+            str(r["head_dim"]),
+            "yes" if r["causal"] else "no",
+            str(r["seqlen"]),
+            _fmt(t.get("ours"), ".1f"),
+            _fmt(t.get("cudnn"), ".1f"),
+            _fmt(t.get("fa2"), ".1f"),
+            _fmt(r["ratio"].get("ours/cudnn"), ".2f"),
+            _fmt(r["ratio"].get("ours/fa2"), ".2f"),
+            md,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -498,7 +517,8 @@ def main(argv=None):
     if flagged:
         notes.append(
             "! = ours disagrees with the float32 reference by more than 2x the peers' error + 1e-3 (or is not "
-            "finite) at: " + ", ".join(f"hdim {r['head_dim']} causal {r['causal']} seqlen {r['seqlen']}" for r in flagged)
+            "finite) at: "
+            + ", ".join(f"hdim {r['head_dim']} causal {r['causal']} seqlen {r['seqlen']}" for r in flagged)
         )
     unavailable = sorted({(n, e) for r in results for n, e in r["errors"].items()})
     for name, err in unavailable:

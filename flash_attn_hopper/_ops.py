@@ -4,6 +4,7 @@ The shared object has no Python module init (it is built with the limited API an
 so it is loaded with ``torch.ops.load_library`` rather than imported.
 """
 
+import functools
 import glob
 import os
 
@@ -42,10 +43,15 @@ def require_extension():
         raise RuntimeError(_load_error)
 
 
+@functools.lru_cache(maxsize=None)
+def _build_config_text():
+    return torch.ops.flash_attn_hopper.build_config()
+
+
 def build_config():
     """The head dims and dtypes compiled into the extension: ``{"head_dims": [...], "dtypes": [...]}``."""
     require_extension()
-    text = torch.ops.flash_attn_hopper.build_config()
+    text = _build_config_text()
     cfg = {}
     for part in text.split(";"):
         key, _, value = part.partition("=")

@@ -95,7 +95,7 @@ def parse_sass(text):
 
 
 def parse_ptxas(text):
-    """{mangled name: {"entry", "arch", "regs", "barriers", "smem", "stack", "spill_st", "spill_ld", "notes", "seen"}}."""
+    """{mangled name: {"entry", "arch", "regs", "barriers", "smem", "stack", "spill_st", "spill_ld", ...}}."""
     funcs = {}
 
     def get(name):
@@ -217,8 +217,11 @@ def shorten(name, depth=3, width=150):
 
 
 def _dtype_of(demangled):
-    found = [tag for key, tag in (("bfloat16", "bf16"), ("half_t", "fp16"), ("__half", "fp16"), ("float_e4m3", "fp8"))
-             if key in demangled]
+    found = [
+        tag
+        for key, tag in (("bfloat16", "bf16"), ("half_t", "fp16"), ("__half", "fp16"), ("float_e4m3", "fp8"))
+        if key in demangled
+    ]
     return "/".join(dict.fromkeys(found)) or "-"
 
 
@@ -253,7 +256,8 @@ def build_report(sass, ptxas, hgmma_rx, exclude_rx, fail_on_spill):
         spill = (p.get("spill_st") or 0) + (p.get("spill_ld") or 0)
         if spill:
             flags.append(
-                f"K{i} spills: {p.get('spill_st')} bytes stores, {p.get('spill_ld')} bytes loads: {shorten(dem.get(n, n))}"
+                f"K{i} spills: {p.get('spill_st')} bytes stores, {p.get('spill_ld')} bytes loads: "
+                f"{shorten(dem.get(n, n))}"
             )
         for note in sorted(p.get("notes", ())):
             flags.append(f"K{i} ptxas: {note}")
@@ -318,7 +322,9 @@ def build_report(sass, ptxas, hgmma_rx, exclude_rx, fail_on_spill):
     for x in problems:
         lines.append("  FAIL " + x)
     nspill = sum("spills:" in f for f in flags)
-    lines.append(f"spills: {'none' if not nspill else f'{nspill} kernel(s) spill'}" + ("" if ptxas else " (no ptxas report)"))
+    lines.append(
+        f"spills: {'none' if not nspill else f'{nspill} kernel(s) spill'}" + ("" if ptxas else " (no ptxas report)")
+    )
     for x in flags:
         lines.append("  FLAG " + x)
     lines.append("")

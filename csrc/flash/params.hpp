@@ -29,4 +29,42 @@ struct FwdParams {
   bool is_causal;            // bottom-right aligned
 };
 
+struct BwdParams {
+  // Inputs of the forward (same layouts as FwdParams), out and its gradient dO (any strides, last dim 1).
+  void const* q_ptr;
+  void const* k_ptr;
+  void const* v_ptr;
+  void const* o_ptr;
+  void const* do_ptr;
+  float const* lse_ptr;  // (batch, nheads, seqlen_q) contiguous, natural log, from the forward
+  void* dq_ptr;          // (batch, seqlen_q, nheads, head_dim), written
+  void* dk_ptr;          // (batch, seqlen_k, nheads, head_dim), written
+  void* dv_ptr;          // (batch, seqlen_k, nheads, head_dim), written
+
+  // Workspace, per (batch, head) of seqlen_q_rounded rows (rounded up to the backward's kBlockM):
+  float* dq_accum_ptr;  // (batch, nheads, seqlen_q_rounded, head_dim) fp32, zeroed before the main kernel
+  float* lse_log2_ptr;  // (batch, nheads, seqlen_q_rounded): LSE * log2(e); +inf for rows with no key or padding
+  float* dpsum_ptr;     // (batch, nheads, seqlen_q_rounded): D = rowsum(dO * O); 0 for padding
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+
+  int batch;
+  int nheads;
+  int seqlen_q;
+  int seqlen_k;
+  int seqlen_q_rounded;
+  int head_dim;
+
+  float softmax_scale;
+  float softmax_scale_log2;
+  bool is_causal;
+};
+
 }  // namespace flash
