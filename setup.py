@@ -66,7 +66,10 @@ def _extension():
     cutlass = _cutlass_dir()
     std = _cxx_std()
     sources = ["csrc/api/flash_api.cpp"] + [
-        f"csrc/instantiations/fwd_hdim{h}_{d}_sm90.cu" for h in hdims for d in dtypes
+        f"csrc/instantiations/{direction}_hdim{h}_{d}_sm90.cu"
+        for direction in ("fwd", "bwd")
+        for h in hdims
+        for d in dtypes
     ]
     defines = [f"-DFAH_HDIM{h}" for h in hdims] + [f"-DFAH_{d.upper()}" for d in dtypes]
     include_dirs = [

@@ -123,20 +123,39 @@ def _forward(q, k, v, softmax_scale, causal):
     return torch.ops.flash_attn_hopper.fwd(q, k, v, softmax_scale, causal)
 
 
+def _backward(dout, q, k, v, out, lse, softmax_scale, causal):
+    """dO in any strides -> (dq, dk, dv) in the shapes and dtype of q, k, v (contiguous)."""
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dout = _tma_ready(dout)
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    return torch.ops.flash_attn_hopper.bwd(dout, q, k, v, out, lse, softmax_scale, causal)
+
+
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal):
         out, lse = _forward(q, k, v, softmax_scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        raise NotImplementedError("flash_attn_hopper: the backward pass is not implemented yet (issue 3)")
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.cuda.device(q.device):
+            dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+        return dq, dk, dv, None, None
 
 
 def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
-    """Exact scaled dot-product attention on Hopper GPUs (FlashAttention-3 forward).
+    """Exact scaled dot-product attention on Hopper GPUs (FlashAttention-3 forward and backward).
 
     Computes, per batch element and head, ``O = softmax(softmax_scale * Q Kᵀ + mask) V`` with the
     online softmax of the FlashAttention-3 paper (Shah et al., 2024), §3.1 (Algorithm 1: warp-specialized
@@ -169,7 +188,11 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
             softmax_scale is not finite and positive.
         RuntimeError: the compiled extension is not available.
 
-    Inputs are never modified. The kernel runs on the current CUDA stream of q's device.
+    Gradients: when q, k or v requires grad, ``out`` backpropagates through the FlashAttention-3 backward
+    (paper §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = α dS K, dK = α dSᵀ Q), recomputing
+    P from the saved LSE; saved state is q, k, v, out and lse. ``lse`` itself is not differentiable.
+
+    Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     _check_tensor_args(q, k, v)
     softmax_scale = _check_scale(softmax_scale, q.shape[-1])

@@ -8,21 +8,31 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "flash/config.hpp"
 #include "flash/dispatch.hpp"
 #include "flash/params.hpp"
 
 namespace {
 
 using FwdFn = cudaError_t (*)(flash::FwdParams const&, cudaStream_t);
+using BwdFn = cudaError_t (*)(flash::BwdParams const&, cudaStream_t);
 
-FwdFn select_fwd(int head_dim, at::ScalarType dtype) {
+struct Kernels {
+  FwdFn fwd = nullptr;
+  BwdFn bwd = nullptr;
+};
+
+Kernels select_kernels(int head_dim, at::ScalarType dtype) {
   bool const bf16 = dtype == at::kBFloat16;
-#define FAH_CASE(HDIM, NAME, IS_BF16) \
-  if (head_dim == HDIM && bf16 == IS_BF16) { return &flash::run_fwd_hdim##HDIM##_##NAME; }
+#define FAH_CASE(HDIM, NAME, IS_BF16)                                                                       \
+  if (head_dim == HDIM && bf16 == IS_BF16) {                                                                \
+    return Kernels{&flash::run_fwd_hdim##HDIM##_##NAME, &flash::run_bwd_hdim##HDIM##_##NAME};               \
+  }
 #if defined(FAH_HDIM64) && defined(FAH_FP16)
   FAH_CASE(64, fp16, false)
 #endif
@@ -42,7 +52,7 @@ FwdFn select_fwd(int head_dim, at::ScalarType dtype) {
   FAH_CASE(256, bf16, true)
 #endif
 #undef FAH_CASE
-  return nullptr;
+  return Kernels{};
 }
 
 std::string build_config() {
@@ -92,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   int const seqlen_k = k.size(1);
   TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && seqlen_k >= 1 && nheads >= 1, "empty problems are handled in Python");
   TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
-  auto* run = select_fwd(head_dim, q.scalar_type());
+  auto* run = select_kernels(head_dim, q.scalar_type()).fwd;
   TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q.scalar_type(), " is not in this build (",
               build_config(), ")");
 
@@ -120,11 +130,82 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   return {out, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
+                                                   at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
+                                                   double softmax_scale, bool causal) {
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
+  check_qkv(out, "out", q);
+  check_qkv(dout, "dout", q);
+  TORCH_CHECK(out.sizes() == q.sizes() && dout.sizes() == q.sizes(), "out and dout must have the shape of q");
+  TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  int const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
+  int const seqlen_k = k.size(1);
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads && lse.size(2) == seqlen_q,
+              "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
+  TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && seqlen_k >= 1 && nheads >= 1, "empty problems are handled in Python");
+  TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
+  auto* run = select_kernels(head_dim, q.scalar_type()).bwd;
+  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q.scalar_type(), " is not in this build (",
+              build_config(), ")");
+
+  c10::cuda::CUDAGuard guard(q.device());
+  int const seqlen_q_rounded = (seqlen_q + flash::kBwdBlockM - 1) / flash::kBwdBlockM * flash::kBwdBlockM;
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = at::zeros({batch, nheads, seqlen_q_rounded, head_dim}, f32);
+  at::Tensor lse_log2 = at::empty({batch, nheads, seqlen_q_rounded}, f32);
+  at::Tensor dpsum = at::empty({batch, nheads, seqlen_q_rounded}, f32);
+
+  flash::BwdParams p{};
+  p.q_ptr = q.data_ptr();
+  p.k_ptr = k.data_ptr();
+  p.v_ptr = v.data_ptr();
+  p.o_ptr = out.data_ptr();
+  p.do_ptr = dout.data_ptr();
+  p.lse_ptr = lse.data_ptr<float>();
+  p.dq_ptr = dq.data_ptr();
+  p.dk_ptr = dk.data_ptr();
+  p.dv_ptr = dv.data_ptr();
+  p.dq_accum_ptr = dq_accum.data_ptr<float>();
+  p.lse_log2_ptr = lse_log2.data_ptr<float>();
+  p.dpsum_ptr = dpsum.data_ptr<float>();
+  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+  p.do_batch_stride = dout.stride(0), p.do_row_stride = dout.stride(1), p.do_head_stride = dout.stride(2);
+  p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
+  p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
+  p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
+  p.batch = batch, p.nheads = nheads, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.seqlen_q_rounded = seqlen_q_rounded, p.head_dim = head_dim;
+  p.softmax_scale = float(softmax_scale);
+  p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
+  p.is_causal = causal;
+
+  cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper backward launch failed: ", cudaGetErrorString(err));
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flash_attn_hopper, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, bool causal)"
+      " -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("build_config() -> str", &build_config);
 }
 
-TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) { m.impl("fwd", &fwd); }
+TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) {
+  m.impl("fwd", &fwd);
+  m.impl("bwd", &bwd);
+}

@@ -29,4 +29,20 @@ struct FwdTileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
 };
 
+// Backward: kBlockM query rows per iteration (one 64-row WGMMA tile), kBlockN keys resident per CTA.
+// Shared memory = (2 * kStages * kBlockM + 2 * kBlockN) * kHeadDim * 2 + 2 * kBlockM * kBlockN * 2 bytes:
+//   hdim  64: kBlockN 128 -> 128 KiB;  hdim 128: kBlockN 128 -> 160 KiB;
+//   hdim 256: kBlockN 64 -> 208 KiB, and dK/dV split head_dim across the warpgroups (64 keys x 128 columns of
+//   each of dK and dV per warpgroup = 128 accumulator registers per thread; splitting keys would need 256).
+// Registers per consumer thread, hdim 128: dK + dV 128, S + dP 64 (live together), then dQ tile 32.
+// First configuration (2026-11-29): chosen to fit, not yet tuned by measurement.
+constexpr int kBwdBlockM = 64;
+
+template <int kHeadDim>
+struct BwdTileConfig {
+  static constexpr int kBlockM = kBwdBlockM, kStages = 2;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr bool kDKVSplitD = kHeadDim > 128;
+};
+
 }  // namespace flash

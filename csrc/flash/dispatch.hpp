@@ -7,16 +7,17 @@
 
 namespace flash {
 
-#define FLASH_FWD_DECLARE(HDIM, DTYPE_NAME) \
-  cudaError_t run_fwd_hdim##HDIM##_##DTYPE_NAME(FwdParams const& p, cudaStream_t stream);
+#define FLASH_DECLARE(HDIM, DTYPE_NAME)                                                             \
+  cudaError_t run_fwd_hdim##HDIM##_##DTYPE_NAME(FwdParams const& p, cudaStream_t stream); \
+  cudaError_t run_bwd_hdim##HDIM##_##DTYPE_NAME(BwdParams const& p, cudaStream_t stream);
 
-FLASH_FWD_DECLARE(64, fp16)
-FLASH_FWD_DECLARE(64, bf16)
-FLASH_FWD_DECLARE(128, fp16)
-FLASH_FWD_DECLARE(128, bf16)
-FLASH_FWD_DECLARE(256, fp16)
-FLASH_FWD_DECLARE(256, bf16)
+FLASH_DECLARE(64, fp16)
+FLASH_DECLARE(64, bf16)
+FLASH_DECLARE(128, fp16)
+FLASH_DECLARE(128, bf16)
+FLASH_DECLARE(256, fp16)
+FLASH_DECLARE(256, bf16)
 
-#undef FLASH_FWD_DECLARE
+#undef FLASH_DECLARE
 
 }  // namespace flash

@@ -5,17 +5,12 @@
 
 #include <cute/tensor.hpp>
 
+#include "flash/common/tma.hpp"
 #include "flash/config.hpp"
 #include "flash/fwd/kernel_fwd_sm90.hpp"
 #include "flash/params.hpp"
 
 namespace flash {
-
-// TMA wants every non-unit-extent stride a multiple of 16 bytes; a size-1 mode's stride is never used, so give
-// it a harmless legal value instead of whatever the caller's view carried.
-inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t elems_per_16b) {
-  return extent == 1 ? elems_per_16b : stride;
-}
 
 template <class Element, int kHeadDim>
 cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {

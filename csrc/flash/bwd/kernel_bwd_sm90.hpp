@@ -1,0 +1,403 @@
+// Warp-specialized backward attention kernel for sm_90a (FlashAttention-3 paper §2.1 gradient equations,
+// §3 Hopper execution model; the K/V-stationary loop of FlashAttention-2 §3.2).
+//
+// One CTA per (n_block of kBlockN keys, head, batch); K and V stay resident in shared memory.
+//   warpgroup 0        Producer: one thread loads K, V once (TMA), then Q and dO tiles of kBlockM query rows
+//                      through a kStages-deep pipeline (PipelineTmaAsync); registers released.
+//   warpgroups 1..2    Consumers. Per Q tile:  S = Q Kᵀ and dP = dO Vᵀ (WGMMA, split over keys),
+//                      P = exp2(S·scale_log2 − LSE_log2), dS = P ∘ (dP − D); P and dS go to shared memory
+//                      (stmatrix) so that dV += Pᵀ dO, dK += dSᵀ Q and dQ_tile = dS K read them as WGMMA
+//                      operands; dQ_tile is added into the fp32 dQ accumulator with atomics.
+//                      dK and dV stay in registers across the loop and are written once (dK scaled by α).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "flash/common/mask.hpp"
+#include "flash/common/utils.hpp"
+
+namespace flash {
+
+using namespace cute;
+
+// kDKVSplitD: the dK/dV GEMMs split head_dim across the two warpgroups (each owns all kBlockN = 64 keys and
+// half of head_dim) instead of splitting the keys (each owns 64 of kBlockN = 128 keys and all of head_dim).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDKVSplitD_>
+struct BwdKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kDKVSplitD = kDKVSplitD_;
+  static constexpr int NumMmaWarpGroups = 2;
+  static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  // setmaxnreg budgets: 56 * 128 + 224 * 256 = 64512 of the 65536 registers per SM. (head_dim 256 still spills
+  // ~20 bytes of loop-invariant scalars at 224; 32/232 moved more spills into the producer.)
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  // dQ_tile is computed in head_dim slices so its accumulator stays at 32 registers per thread beside the 128 of
+  // dK and dV (a whole head_dim 256 tile needs 64 and spills).
+  static constexpr int kDQPasses = kHeadDim > 128 ? 2 : 1;
+  static constexpr int kDQCols = kHeadDim / kDQPasses;
+  static_assert(kBlockM == 64, "one 64-row WGMMA tile of queries per iteration");
+  static_assert(kDKVSplitD ? kBlockN == 64 : kBlockN == 128);
+
+  // S = Q Kᵀ and dP = dO Vᵀ: (M = kBlockM rows, N = kBlockN keys, K = head_dim), warpgroups split N.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+      Layout<Shape<_1, _2, _1>>{}));
+  // dV += Pᵀ dO and dK += dSᵀ Q: (M = kBlockN keys, N = head_dim, K = kBlockM rows); both operands MN-major.
+  using AtomLayoutdKV = std::conditional_t<kDKVSplitD, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>;
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kDKVSplitD ? kHeadDim / 2 : kHeadDim>, Int<kBlockM>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      AtomLayoutdKV{}));
+  // dQ_tile = dS K: (M = kBlockM rows, N = kDQCols of head_dim per pass, K = kBlockN keys), warpgroups split N.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDQCols / 2>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  template <int kRows, int kCols>
+  using KMajorAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                  Int<kRows>, Int<kCols>>());
+  // Q and dO: (kBlockM, head_dim, stages); K and V: (kBlockN, head_dim); P and dS: (kBlockM, kBlockN).
+  using SmemLayoutQ = decltype(tile_to_shape(KMajorAtom<kBlockM, kHeadDim>{},
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(KMajorAtom<kBlockN, kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutPdS = decltype(tile_to_shape(KMajorAtom<kBlockM, kBlockN>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  // The same bytes read transposed: MN-major operands of the dK/dV and dQ GEMMs.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutPdS>, 1024> smem_p;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutPdS>, 1024> smem_ds;
+    cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    typename Pipeline::SharedStorage pipeline_qdo;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
+  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, head_dim, nheads, batch)
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          make_layout(ShapeQKV{}, StrideQKV{})));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  struct Params {
+    TmaQ tma_q;
+    TmaQ tma_do;
+    TmaKV tma_k;
+    TmaKV tma_v;
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    Element* dk_ptr;
+    Element* dv_ptr;
+    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+    float* dq_accum_ptr;
+    float const* lse_log2_ptr;
+    float const* dpsum_ptr;
+    int nheads, seqlen_q, seqlen_k, seqlen_q_rounded;
+    float softmax_scale, softmax_scale_log2;
+    bool is_causal;
+  };
+};
+
+// Query blocks whose rows see at least one key of n_block (bottom-right causal: row i sees key j iff
+// i >= j - seqlen_k + seqlen_q).
+template <int kBlockM, int kBlockN>
+CUTLASS_DEVICE void bwd_m_block_range(int n_block, int seqlen_q, int seqlen_k, bool is_causal, int& m_block_min,
+                                      int& m_block_max) {
+  m_block_max = cute::ceil_div(seqlen_q, kBlockM);
+  m_block_min = 0;
+  if (is_causal) { m_block_min = max(0, n_block * kBlockN + seqlen_q - seqlen_k) / kBlockM; }
+}
+
+// Producer perspective.
+template <class Traits>
+CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
+                                 typename Traits::Pipeline& pipeline, int n_block, int bidh, int bidb,
+                                 int m_block_min, int m_block_max) {
+  using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});    // (M, d, stages)
+  Tensor sdO = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutQ{});  // (M, d, stages)
+  Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});   // (N, d)
+  Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});   // (N, d)
+
+  Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);
+  Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);
+  Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh, bidb);
+  Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh, bidb);
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));    // (M, d, m_blocks)
+  Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m_blocks)
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));  // (N, d)
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));  // (N, d)
+
+  auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+  auto [tdOgdO, tdOsdO] =
+      tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+  auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+  ss.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
+  copy(params.tma_k.with(reinterpret_cast<BarrierType&>(ss.barrier_kv), 0), tKgK, tKsK);
+  copy(params.tma_v.with(reinterpret_cast<BarrierType&>(ss.barrier_kv), 0), tVgV, tVsV);
+
+  auto write_state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    pipeline.producer_acquire(write_state);
+    BarrierType* full = pipeline.producer_get_barrier(write_state);
+    copy(params.tma_q.with(*full, 0), tQgQ(_, m_block), tQsQ(_, write_state.index()));
+    copy(params.tma_do.with(*full, 0), tdOgdO(_, m_block), tdOsdO(_, write_state.index()));
+    ++write_state;
+  }
+  pipeline.producer_tail(write_state);
+}
+
+// Writes an accumulator fragment (converted to Element, multiplied by `scale`) to a (seqlen, head_dim) slice of
+// global memory, rows at or past `row_limit` skipped. Columns come in adjacent pairs: one 32-bit store each.
+template <class Element, class TensorAcc, class TensorCoord>
+CUTLASS_DEVICE void store_rows(TensorAcc const& acc, TensorCoord const& coord, Element* base, int64_t row_stride,
+                               int row_offset, int row_limit, float scale) {
+  Tensor a = make_tensor(acc.data(), acc_rowcol(acc.layout()));
+  Tensor c = make_tensor(coord.data(), acc_rowcol(coord.layout()));
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < size<0>(a); ++r) {
+    int const row = row_offset + get<0>(c(r, 0));
+    if (row < row_limit) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(a); j += 2) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(a(r, j) * scale);
+        pair[1] = Element(a(r, j + 1) * scale);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(base + row * row_stride + get<1>(c(r, j))) = pair;
+      }
+    }
+  }
+}
+
+// Consumer perspective (mma_tidx in [0, NumMmaThreads)).
+template <class Traits>
+CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
+                                 typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh, int bidb,
+                                 int m_block_min, int m_block_max) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  // Named barrier 0 is __syncthreads; the consumers' own barrier takes id 1.
+  auto consumers_sync = [] { cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1); };
+
+  typename Traits::TiledMmaSdP tiled_mma_sdp;
+  typename Traits::TiledMmadKV tiled_mma_dkv;
+  typename Traits::TiledMmadQ tiled_mma_dq;
+  auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(mma_tidx);
+  auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(mma_tidx);
+  auto thr_mma_dq = tiled_mma_dq.get_thread_slice(mma_tidx);
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.smem_p.data()), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.smem_p.data()), typename Traits::SmemLayoutPdSt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutPdSt{});
+
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);      // (MMA, MMA_M, MMA_K, stages)
+  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);      // (MMA, MMA_N, MMA_K)
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);   // (MMA, MMA_M, MMA_K, stages)
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);     // (MMA, MMA_N, MMA_K)
+  Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPt);   // (MMA, MMA_M, MMA_K)
+  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt); // (MMA, MMA_N, MMA_K, stages)
+  Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdSt); // (MMA, MMA_M, MMA_K)
+  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt);   // (MMA, MMA_N, MMA_K, stages)
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);    // (MMA, MMA_M, MMA_K)
+
+  // Register -> shared copies of P and dS with stmatrix, in the S accumulator's thread layout.
+  auto smem_copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_sdp);
+  auto thr_copy_pds = smem_copy_pds.get_thread_slice(mma_tidx);
+  Tensor tPsP = thr_copy_pds.partition_D(sP);
+  Tensor tdSsdS = thr_copy_pds.partition_D(sdS);
+
+  Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor tdKrdK = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  constexpr int kDQCols = Traits::kDQCols;
+  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQCols>>{}));
+  Mask<kBlockM, kBlockN> mask{params.seqlen_q, params.seqlen_k, params.is_causal};
+
+  int64_t const row_base = (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded;
+  float const* lse_log2 = params.lse_log2_ptr + row_base;
+  float const* dpsum = params.dpsum_ptr + row_base;
+  float* dq_accum = params.dq_accum_ptr + row_base * kHeadDim;
+
+  if (m_block_max > m_block_min) {
+    ss.barrier_kv.wait(0);
+    typename Traits::PipelineState read_state;
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      int const stage = read_state.index();
+      // Per-row statistics of the two rows this thread holds (padded rows: LSE_log2 = +inf gives P = 0).
+      float lse_row[kRows], dpsum_row[kRows];
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int const row = m_block * kBlockM + get<0>(tScS_rc(r, 0));
+        lse_row[r] = lse_log2[row];
+        dpsum_row[r] = dpsum[row];
+      }
+
+      Tensor tSrS = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipeline.consumer_wait(read_state);
+      wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
+      wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP);
+      warpgroup_wait<1>();  // S is ready; dP may still be in flight
+
+      if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) { s(r, j) = exp2f(fmaf(s(r, j), params.softmax_scale_log2, -lse_row[r])); }
+      }
+      warpgroup_wait<0>();
+      Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(dp); ++j) { dp(r, j) = s(r, j) * (dp(r, j) - dpsum_row[r]); }
+      }
+      Tensor tPrP = convert_type<Element>(tSrS);
+      Tensor tdSrdS = convert_type<Element>(tdPrdP);
+
+      // The previous iteration's GEMMs (all warpgroups) have finished reading sP and sdS.
+      consumers_sync();
+      copy(smem_copy_pds, thr_copy_pds.retile_S(tPrP), tPsP);
+      copy(smem_copy_pds, thr_copy_pds.retile_S(tdSrdS), tdSsdS);
+      // Generic-proxy stores must be visible to the WGMMA (async proxy) of every consumer warpgroup.
+      cutlass::arch::fence_view_async_shared();
+      consumers_sync();
+
+      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), tdVrdV);
+      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
+      CUTLASS_PRAGMA_UNROLL
+      for (int pass = 0; pass < Traits::kDQPasses; ++pass) {
+        // Columns [pass * kDQCols, (pass + 1) * kDQCols) of dQ_tile = dS K.
+        Tensor tdQrKt = thr_mma_dq.partition_fragment_B(
+            local_tile(sKt, Shape<Int<kDQCols>, Int<kBlockN>>{}, make_coord(pass, _0{})));  // (MMA, MMA_N, MMA_K)
+        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQCols>>{});
+        wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+        warpgroup_wait<0>();
+        if (pass == Traits::kDQPasses - 1) {
+          pipeline.consumer_release(read_state);
+          ++read_state;
+        }
+        // dQ_tile (unscaled) into the fp32 accumulator; the postprocess applies softmax_scale.
+        Tensor dq = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
+        Tensor cq = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < size<0>(dq); ++r) {
+          float* row_ptr =
+              dq_accum + int64_t(m_block * kBlockM + get<0>(cq(r, 0))) * kHeadDim + pass * kDQCols;
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(dq); j += 2) {
+            atomicAdd(reinterpret_cast<float2*>(row_ptr + get<1>(cq(r, j))), make_float2(dq(r, j), dq(r, j + 1)));
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: dV and α·dK for the keys of this block that exist (zeros when no query sees them).
+  Tensor tdKVcdKV = thr_mma_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  int const key_offset = n_block * kBlockN;
+  store_rows(tdVrdV, tdKVcdKV, params.dv_ptr + bidb * params.dv_batch_stride + bidh * params.dv_head_stride,
+             params.dv_row_stride, key_offset, params.seqlen_k, 1.f);
+  store_rows(tdKrdK, tdKVcdKV, params.dk_ptr + bidb * params.dk_batch_stride + bidh * params.dk_head_stride,
+             params.dk_row_stride, key_offset, params.seqlen_k, params.softmax_scale);
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::NumThreads, 1)
+    flash_bwd_sm90_kernel(CUTE_GRID_CONSTANT typename Traits::Params const params) {
+  using Pipeline = typename Traits::Pipeline;
+  extern __shared__ char smem_buf[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_buf);
+
+  int const warp_idx = cutlass::canonical_warp_idx_sync();
+  int const warp_group_idx = cutlass::canonical_warp_group_idx();
+  bool const lane_predicate = cute::elect_one_sync();
+  // Causal: the first key blocks are seen by the most query blocks; start them first.
+  int const n_block = blockIdx.x;
+  int const bidh = blockIdx.y;
+  int const bidb = blockIdx.z;
+
+  if (warp_idx == 0 && lane_predicate) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    ss.barrier_kv.init(/*arrive_count=*/1);
+  }
+
+  typename Pipeline::Params pipeline_params;
+  pipeline_params.transaction_bytes = Traits::kTmaBytesQdO;
+  pipeline_params.role = warp_group_idx == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = Traits::NumMmaThreads;
+  Pipeline pipeline(ss.pipeline_qdo, pipeline_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  int m_block_min, m_block_max;
+  bwd_m_block_range<Traits::kBlockM, Traits::kBlockN>(n_block, params.seqlen_q, params.seqlen_k, params.is_causal,
+                                                       m_block_min, m_block_max);
+
+  if (warp_group_idx == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    // The pipeline's leader (thread 0) is the one thread that issues every TMA load.
+    if (threadIdx.x == 0 && m_block_max > m_block_min) {
+      bwd_producer<Traits>(params, ss, pipeline, n_block, bidh, bidb, m_block_min, m_block_max);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    bwd_consumer<Traits>(params, ss, pipeline, threadIdx.x - cutlass::NumThreadsPerWarpGroup, n_block, bidh, bidb,
+                         m_block_min, m_block_max);
+  }
+}
+
+}  // namespace flash

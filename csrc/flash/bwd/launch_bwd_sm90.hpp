@@ -1,0 +1,95 @@
+// Host side of the backward: preprocess, main kernel (TMA descriptors, grid, shared memory), postprocess.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+
+#include "flash/bwd/kernel_bwd_sm90.hpp"
+#include "flash/bwd/prepost_bwd_sm90.hpp"
+#include "flash/common/tma.hpp"
+#include "flash/config.hpp"
+#include "flash/params.hpp"
+
+namespace flash {
+
+template <class Element, int kHeadDim>
+cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
+  using Cfg = BwdTileConfig<kHeadDim>;
+  using Traits = BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>;
+  static_assert(Cfg::kBlockM == kBwdBlockM, "dQ accumulator rows are rounded to kBwdBlockM by the host");
+  constexpr int64_t k16 = 16 / sizeof(Element);
+
+  {
+    constexpr int kWarps = 8;
+    dim3 grid(cute::ceil_div(p.seqlen_q_rounded, kWarps), p.nheads, p.batch);
+    flash_bwd_preprocess_kernel<Element, kHeadDim><<<grid, kWarps * 32, 0, stream>>>(p);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) { return err; }
+  }
+
+  auto make_gmem = [&](void const* ptr, int seqlen, int64_t row, int64_t head, int64_t batch) {
+    auto shape = make_shape(int32_t(seqlen), int32_t(kHeadDim), int32_t(p.nheads), int32_t(p.batch));
+    auto stride = make_stride(tma_stride(row, seqlen, k16), _1{}, tma_stride(head, p.nheads, k16),
+                              tma_stride(batch, p.batch, k16));
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_layout(shape, stride));
+  };
+  auto mQ = make_gmem(p.q_ptr, p.seqlen_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mdO = make_gmem(p.do_ptr, p.seqlen_q, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
+  auto mK = make_gmem(p.k_ptr, p.seqlen_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = make_gmem(p.v_ptr, p.seqlen_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
+  auto kv_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
+  auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
+
+  typename Traits::Params kp{
+      make_tma_copy(SM90_TMA_LOAD{}, mQ, q_smem, q_tile, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mdO, q_smem, q_tile, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
+      mQ.shape(),
+      mK.shape(),
+      static_cast<Element*>(p.dk_ptr),
+      static_cast<Element*>(p.dv_ptr),
+      p.dk_batch_stride,
+      p.dk_row_stride,
+      p.dk_head_stride,
+      p.dv_batch_stride,
+      p.dv_row_stride,
+      p.dv_head_stride,
+      p.dq_accum_ptr,
+      p.lse_log2_ptr,
+      p.dpsum_ptr,
+      p.nheads,
+      p.seqlen_q,
+      p.seqlen_k,
+      p.seqlen_q_rounded,
+      p.softmax_scale,
+      p.softmax_scale_log2,
+      p.is_causal,
+  };
+  auto kernel = flash_bwd_sm90_kernel<Traits>;
+  constexpr int smem_bytes = Traits::kSmemBytes;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err != cudaSuccess) { return err; }
+  dim3 grid(cute::ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
+  kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) { return err; }
+
+  {
+    constexpr int kThreads = 256;
+    dim3 grid(cute::ceil_div(int64_t(p.seqlen_q) * kHeadDim / 8, int64_t(kThreads)), p.nheads, p.batch);
+    flash_bwd_postprocess_kernel<Element, kHeadDim><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace flash
+
+#define FLASH_BWD_INSTANTIATE(HDIM, DTYPE_NAME, ELEMENT)                                               \
+  namespace flash {                                                                                    \
+  cudaError_t run_bwd_hdim##HDIM##_##DTYPE_NAME(BwdParams const& p, cudaStream_t stream) {             \
+    return run_bwd_sm90<ELEMENT, HDIM>(p, stream);                                                     \
+  }                                                                                                    \
+  }

@@ -1,0 +1,71 @@
+// Memory-bound kernels around the backward main kernel.
+//   preprocess:  D = rowsum(dO ∘ O) in fp32 and LSE·log2(e) per query row (padding rows: D = 0, LSE_log2 = +inf,
+//                and +inf too for rows that saw no key, so that P = exp2(S·scale_log2 − LSE_log2) is 0 there).
+//   postprocess: dQ = softmax_scale · dQ_accum, converted to the input dtype, into dQ's strided layout.
+#pragma once
+
+#include <cmath>
+
+#include <cuda_runtime.h>
+#include <cutlass/array.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+
+#include "flash/params.hpp"
+
+namespace flash {
+
+// One warp per query row; lanes stride over head_dim in vectors of 8 elements (16 bytes).
+template <class Element, int kHeadDim>
+__global__ void flash_bwd_preprocess_kernel(BwdParams const p) {
+  constexpr int kVec = 8;
+  static_assert(kHeadDim % (32 * kVec) == 0 || (32 * kVec) % kHeadDim == 0);
+  int const lane = threadIdx.x % 32;
+  int const row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  int const bidh = blockIdx.y, bidb = blockIdx.z;
+  if (row >= p.seqlen_q_rounded) { return; }
+  float dot = 0.f;
+  if (row < p.seqlen_q) {
+    auto const* o = static_cast<Element const*>(p.o_ptr) + bidb * p.o_batch_stride + row * p.o_row_stride +
+                    bidh * p.o_head_stride;
+    auto const* dout = static_cast<Element const*>(p.do_ptr) + bidb * p.do_batch_stride + row * p.do_row_stride +
+                       bidh * p.do_head_stride;
+    for (int c = lane * kVec; c < kHeadDim; c += 32 * kVec) {
+      auto ov = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(o + c);
+      auto dv = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(dout + c);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kVec; ++i) { dot += float(ov[i]) * float(dv[i]); }
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
+  if (lane == 0) {
+    int64_t const idx = (int64_t(bidb) * p.nheads + bidh) * p.seqlen_q_rounded + row;
+    float lse_log2 = INFINITY;
+    if (row < p.seqlen_q) {
+      float const lse = p.lse_ptr[(int64_t(bidb) * p.nheads + bidh) * p.seqlen_q + row];
+      if (lse != -INFINITY) { lse_log2 = lse * float(M_LOG2E); }
+    }
+    p.lse_log2_ptr[idx] = lse_log2;
+    p.dpsum_ptr[idx] = dot;
+  }
+}
+
+// One thread per 8 elements of dQ.
+template <class Element, int kHeadDim>
+__global__ void flash_bwd_postprocess_kernel(BwdParams const p) {
+  constexpr int kVec = 8;
+  int64_t const idx = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  int const bidh = blockIdx.y, bidb = blockIdx.z;
+  if (idx >= int64_t(p.seqlen_q) * kHeadDim) { return; }
+  int const row = idx / kHeadDim, col = idx % kHeadDim;
+  float const* acc = p.dq_accum_ptr + ((int64_t(bidb) * p.nheads + bidh) * p.seqlen_q_rounded + row) * kHeadDim + col;
+  auto a = *reinterpret_cast<cutlass::Array<float, kVec> const*>(acc);
+  cutlass::Array<Element, kVec> out;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kVec; ++i) { out[i] = Element(a[i] * p.softmax_scale); }
+  *reinterpret_cast<cutlass::Array<Element, kVec>*>(static_cast<Element*>(p.dq_ptr) + bidb * p.dq_batch_stride +
+                                                    row * p.dq_row_stride + bidh * p.dq_head_stride + col) = out;
+}
+
+}  // namespace flash
