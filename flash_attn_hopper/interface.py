@@ -147,6 +147,7 @@ class _AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.cuda.device(q.device):

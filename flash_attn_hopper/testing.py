@@ -1,4 +1,5 @@
-"""Reference attention and the comparison rule of DESIGN.md §3, used by the tests and the benchmark."""
+"""Reference attention (forward, and backward by autograd and from its equations) and the comparison rule of
+DESIGN.md §3, used by the tests and the benchmark."""
 
 import math
 
@@ -71,3 +72,58 @@ def assert_close_by_rule(out, ref, ref_naive, name, floor=None):
     tol = 2 * base + floor
     assert err <= tol, f"{name}: max abs error {err:.3e} > 2 x naive error {base:.3e} + {floor:.0e}"
     return err, base
+
+
+def attention_ref_grads(q, k, v, dout, softmax_scale=None, causal=False, upcast=True):
+    """(dq, dk, dv) of ``attention_ref`` by torch autograd, for the output gradient ``dout``.
+
+    upcast=True differentiates the float32 reference (fp16/bf16 inputs and dout are upcast; float64 stays float64);
+    upcast=False differentiates the naive reference in the input dtype, whose error sets the tolerance of
+    ``assert_close_by_rule``. The inputs are not modified and need not require grad. A row that sees no key gets a
+    dq row of 0 and adds nothing to dk, dv (the masked_fill of ``attention_ref`` cuts the softmax's NaN gradient).
+    """
+    compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    leaves = [t.detach().to(compute).requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out, _ = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal, upcast=upcast)
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    return dq, dk, dv
+
+
+def attention_bwd_ref(q, k, v, dout, softmax_scale=None, causal=False, upcast=True):
+    """The backward pass written from its equations, without autograd: FlashAttention-3 paper (Shah et al., 2024),
+    §2.1, and DESIGN.md §1. Per batch element and head, with α = softmax_scale:
+
+        S = α Q Kᵀ (bottom-right causal mask: -inf where j > i + seqlen_k - seqlen_q)
+        P = exp(S - LSE)            (recomputed from the row log-sum-exp, as the kernels do)
+        O = P V
+        dV = Pᵀ dO
+        dP = dO Vᵀ
+        D = rowsum(dO ∘ O)          (equals rowsum(P ∘ dP))
+        dS = P ∘ (dP - D)
+        dQ = α dS K
+        dK = α dSᵀ Q
+
+    A row that sees no key has LSE -inf and P = 0 (not exp(-inf + inf) = NaN), so its dQ row is 0 and it adds
+    nothing to dK and dV. Layouts as ``attention_ref``: q (batch, seqlen_q, nheads, head_dim), k and v
+    (batch, seqlen_k, nheads, head_dim), dout like q. upcast=True computes in float32 (float64 stays float64);
+    upcast=False in the input dtype. Returns (dq, dk, dv) in the compute dtype.
+    """
+    if upcast and q.dtype in (torch.float16, torch.bfloat16):
+        q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
+    dout = dout.to(q.dtype)
+    alpha = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * alpha
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[1], k.shape[1], device=q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, h, q, 1)
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+    o = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout, v)
+    d = (dout * o).sum(dim=-1).transpose(1, 2).unsqueeze(-1)  # (b, h, q, 1)
+    ds = p * (dp - d)
+    dq = alpha * torch.einsum("bhqk,bkhd->bqhd", ds, k)
+    dk = alpha * torch.einsum("bhqk,bqhd->bkhd", ds, q)
+    return dq, dk, dv

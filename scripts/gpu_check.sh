@@ -13,7 +13,7 @@
 #   sass    cuobjdump --dump-sass of the .so: HGMMA count per kernel (fails if a forward kernel has none),
 #           and registers / stack / spills per kernel from the ptxas report in the build log (spills flagged).
 #   tests   python3 -m pytest tests -q -rs --durations=5 (with junit xml), PYTHONPATH = repo root
-#   bench   python3 benchmarks/bench_fwd.py $BENCH_ARGS
+#   bench   python3 benchmarks/bench_attention.py $BENCH_ARGS (forward and backward)
 # Then copies logs, JSON and the kernel report into $OUT if set, and prints a short summary LAST.
 #
 # Environment:
@@ -27,7 +27,7 @@
 #   FAH_SKIP_TESTS=1, FAH_SKIP_BENCH=1              skip a stage
 #   PYTEST_ARGS          extra pytest arguments (e.g. "-x -k causal")
 #   BENCH_ARGS           benchmark arguments (e.g. "--head-dims 128 --seqlens 4096,16384 --causal no")
-#   FAH_HGMMA_KERNEL_REGEX / FAH_HGMMA_EXCLUDE_REGEX  which kernels must hold HGMMA (default: names with "fwd")
+#   FAH_HGMMA_KERNEL_REGEX / FAH_HGMMA_EXCLUDE_REGEX  which kernels must hold HGMMA (default: the fwd and bwd main kernels)
 #   FAH_FAIL_ON_SPILL=1  make a spilling kernel fail the sass stage (default: flagged only)
 #   PYTHON               interpreter (default python3)
 #   OUT                  folder to copy results into (at most 8 files)
@@ -243,11 +243,11 @@ if [[ ${FAH_SKIP_BENCH:-0} == 1 ]]; then
 elif [[ -z $SO ]]; then
   STATUS[bench]="skipped"; DETAIL[bench]="no extension"
 else
-  rm -f "$WORK/bench_fwd.json"
+  rm -f "$WORK/bench_attention.json"
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-  "$PY" benchmarks/bench_fwd.py ${BENCH_ARGS:-} --json "$WORK/bench_fwd.json" 2>&1 | tee_log bench.log
+  "$PY" benchmarks/bench_attention.py ${BENCH_ARGS:-} --json "$WORK/bench_attention.json" 2>&1 | tee_log bench.log
   rc=${PIPESTATUS[0]}
-  to_out "$WORK/bench_fwd.json"
+  to_out "$WORK/bench_attention.json"
   if [[ $rc == 0 ]]; then STATUS[bench]=ok; else STATUS[bench]=FAILED; fi
   DETAIL[bench]="exit $rc"
 fi
@@ -282,7 +282,7 @@ done
   fi
   if [[ -f $WORK/bench.log && ${STATUS[bench]} != skipped ]]; then
     echo
-    grep -E '^# forward' "$WORK/bench.log" | head -n 1
+    grep -E '^# attention' "$WORK/bench.log" | head -n 1
     grep -E '^\|' "$WORK/bench.log"
     grep -E '^(! =|ours n/a|cuDNN n/a|FA2 n/a)' "$WORK/bench.log" | cut -c1-240
   fi

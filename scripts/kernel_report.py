@@ -340,7 +340,7 @@ def main(argv=None):
     ap.add_argument("--ptxas-log", help="build log holding ptxas -v output")
     ap.add_argument(
         "--hgmma-regex",
-        default=os.environ.get("FAH_HGMMA_KERNEL_REGEX", r"(?i)fwd"),
+        default=os.environ.get("FAH_HGMMA_KERNEL_REGEX", r"flash_(fwd|bwd)_sm90_kernel"),
         help="kernels (mangled or demangled name) that must contain HGMMA (default: env FAH_HGMMA_KERNEL_REGEX "
         "or '(?i)fwd')",
     )

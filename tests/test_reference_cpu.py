@@ -1,5 +1,7 @@
 """CPU checks of the test machinery itself: the reference ``attention_ref`` against PyTorch's SDPA in float64,
-its LSE against ``torch.logsumexp``, the bottom-right causal mask, and that ``assert_close_by_rule`` can fail."""
+its LSE against ``torch.logsumexp``, the bottom-right causal mask, the backward references (``attention_bwd_ref``,
+written from the paper's equations, and ``attention_ref_grads``) against torch autograd in float64, and that
+``assert_close_by_rule`` can fail."""
 
 import math
 
@@ -7,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, causal_mask
+from flash_attn_hopper.testing import (
+    assert_close_by_rule,
+    attention_bwd_ref,
+    attention_ref,
+    attention_ref_grads,
+    causal_mask,
+)
 
 BATCH, NHEADS = 2, 3
 # (seqlen_q, seqlen_k): equal, seqlen 1, and seqlen_q != seqlen_k both ways (incl. rows that see no key when causal).
@@ -120,6 +128,97 @@ def test_reference_upcast_and_naive(dtype):
     naive, naive_lse = attention_ref(q, k, v, causal=True, upcast=False)
     assert naive.dtype == dtype and naive_lse.dtype == torch.float32
     assert (naive.double() - out64).abs().max().item() > (out.double() - out64).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward references: the seed's equations (attention_bwd_ref) and autograd of attention_ref agree in float64.
+
+
+def _autograd_f64(q, k, v, dout, scale, causal):
+    """torch autograd of attention_ref, written out here so attention_ref_grads is checked too."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, _ = attention_ref(*leaves, softmax_scale=scale, causal=causal)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.parametrize("softmax_scale", [None, 0.3], ids=["default_scale", "scale0.3"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
+def test_bwd_equations_match_autograd_float64(seqlen_q, seqlen_k, causal, softmax_scale):
+    head_dim = 16
+    q, k, v = (_rand(BATCH, s, NHEADS, head_dim) for s in (seqlen_q, seqlen_k, seqlen_k))
+    dout = _rand(BATCH, seqlen_q, NHEADS, head_dim)
+    before = [t.clone() for t in (q, k, v, dout)]
+    expected = _autograd_f64(q, k, v, dout, softmax_scale, causal)
+    by_equations = attention_bwd_ref(q, k, v, dout, softmax_scale=softmax_scale, causal=causal)
+    by_helper = attention_ref_grads(q, k, v, dout, softmax_scale=softmax_scale, causal=causal)
+    for name, exp, eq, helper, like in zip(("dq", "dk", "dv"), expected, by_equations, by_helper, (q, k, v)):
+        assert eq.dtype == torch.float64 and eq.shape == like.shape, name
+        assert not torch.isnan(eq).any() and not torch.isnan(exp).any(), name
+        torch.testing.assert_close(eq, exp, **F64_TOL, msg=lambda m: f"{name} (equations): {m}")
+        torch.testing.assert_close(helper, exp, **F64_TOL, msg=lambda m: f"{name} (attention_ref_grads): {m}")
+    for t, b in zip((q, k, v, dout), before):
+        assert torch.equal(t, b), "the references must not modify their inputs"
+
+    # Rows that see no key: dQ rows exactly 0 (they add nothing to dK and dV: checked through the match above).
+    sees_key = causal_mask(seqlen_q, seqlen_k).any(dim=1) if causal else torch.ones(seqlen_q, dtype=torch.bool)
+    assert torch.equal(by_equations[0][:, ~sees_key], torch.zeros_like(by_equations[0][:, ~sees_key]))
+    if seqlen_k == 1:
+        # Softmax over one key is constant: dQ = dK = 0 (up to the rounding of dP - D, two sums of the same products
+        # in different orders) and dV = the sum of dO over the rows that see the key.
+        torch.testing.assert_close(by_equations[0], torch.zeros_like(q), **F64_TOL)
+        torch.testing.assert_close(by_equations[1], torch.zeros_like(k), **F64_TOL)
+        torch.testing.assert_close(by_equations[2], dout[:, sees_key].sum(dim=1, keepdim=True), **F64_TOL)
+
+
+def test_bwd_equations_match_sdpa_autograd_float64():
+    """An independent implementation: autograd through PyTorch's SDPA with the explicit bottom-right mask (every row
+    sees a key here, so SDPA has no NaN rows)."""
+    seqlen_q, seqlen_k, head_dim, scale = 23, 31, 32, 0.2
+    q, k, v = (_rand(BATCH, s, NHEADS, head_dim) for s in (seqlen_q, seqlen_k, seqlen_k))
+    dout = _rand(BATCH, seqlen_q, NHEADS, head_dim)
+    for causal in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        mask = causal_mask(seqlen_q, seqlen_k) if causal else None
+        expected = torch.autograd.grad(_sdpa(*leaves, scale, mask), leaves, dout)
+        got = attention_bwd_ref(q, k, v, dout, softmax_scale=scale, causal=causal)
+        for name, e, g in zip(("dq", "dk", "dv"), expected, got):
+            torch.testing.assert_close(g, e, **F64_TOL, msg=lambda m: f"{name} causal={causal}: {m}")
+
+
+def test_bwd_equations_dq_invariant_to_key_shift():
+    """Adding one vector c to every key adds a constant to each row of S, which the softmax ignores, so P and dS are
+    unchanged, and dQ = α dS (K + 1 cᵀ) = α dS K + α (dS 1) cᵀ. The second term is 0 only because every row of dS
+    sums to 0, i.e. because D = rowsum(dO ∘ O) equals rowsum(P ∘ dP) (DESIGN.md §1): a wrong D fails here."""
+    q, k, v = (_rand(1, s, 2, 16) for s in (9, 14, 14))
+    dout = _rand(1, 9, 2, 16)
+    shift = _rand(1, 1, 2, 16)
+    for causal in (False, True):
+        grads = attention_bwd_ref(q, k, v, dout, causal=causal)
+        shifted = attention_bwd_ref(q, k + shift, v, dout, causal=causal)
+        for name, g, s in zip(("dq", "dk", "dv"), grads, shifted):
+            torch.testing.assert_close(g, s, **F64_TOL, msg=lambda m: f"{name} causal={causal}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_bwd_references_upcast_and_naive(dtype):
+    """upcast=True gives float32 gradients close to float64 math on the same inputs; upcast=False gives gradients in
+    the input dtype that are measurably less accurate (the naive reference of the rule)."""
+    q, k, v = (_rand(BATCH, s, NHEADS, 64, dtype) for s in (37, 45, 45))
+    dout = _rand(BATCH, 37, NHEADS, 64, dtype)
+    exact = attention_bwd_ref(q.double(), k.double(), v.double(), dout.double(), causal=True)
+    for fn in (attention_ref_grads, attention_bwd_ref):
+        upcast = fn(q, k, v, dout, causal=True)
+        naive = fn(q, k, v, dout, causal=True, upcast=False)
+        for name, u, n, e in zip(("dq", "dk", "dv"), upcast, naive, exact):
+            assert u.dtype == torch.float32 and n.dtype == dtype, (fn.__name__, name)
+            torch.testing.assert_close(u, e.float(), msg=lambda m: f"{fn.__name__} {name}: {m}")
+            assert (n.double() - e).abs().max().item() > (u.double() - e).abs().max().item(), (fn.__name__, name)
+    # and the rule accepts the float32 gradients rounded to the input dtype
+    ref = attention_ref_grads(q, k, v, dout, causal=True)
+    naive = attention_ref_grads(q, k, v, dout, causal=True, upcast=False)
+    for name, r, n in zip(("dq", "dk", "dv"), ref, naive):
+        assert_close_by_rule(r.to(dtype), r, n, name)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,437 @@
+"""Backward pass on an sm90 GPU: dQ, dK, dV against torch autograd of the float32 reference, by the rule of
+DESIGN.md §3: max|grad - ref| <= 2 * max|naive - ref| + floor, where ``naive`` is autograd of the same reference run
+in the input dtype (``flash_attn_hopper.testing.attention_ref_grads``).
+
+Every backward goes through ``_backward`` (or poisons by hand), which first leaves NaN-filled blocks of the sizes of
+dQ, dK, dV, the fp32 dQ accumulator and the per-row vectors in the CUDA caching allocator (``_poison_allocator``), so
+an element the kernels never write shows up as NaN. dO is always random (never zeros or ones, except where a case
+says so). The atomics that add into the dQ accumulator make dQ non-deterministic in its last bits, so repeated runs
+are compared by the rule, not bit for bit. Skipped, with the reason, without an sm90 GPU and the built extension
+(see conftest.py)."""
+
+import pytest
+import torch
+
+import flash_attn_hopper
+from flash_attn_hopper import attention
+from flash_attn_hopper.testing import assert_close_by_rule, attention_ref_grads, causal_mask
+
+pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
+
+DTYPES = [torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp16", "bf16"]
+HEAD_DIMS = [64, 128, 256]
+SEQLENS = [(1, 1), (1, 239), (239, 1), (113, 203), (203, 113), (128, 128), (1023, 1024)]
+# Query rows per backward tile: the dQ accumulator and the per-row vectors (LSE in log2, dPsum) have seqlen_q rounded
+# up to a multiple of this (csrc/flash/config.hpp, kBwdBlockM).
+BWD_BLOCK_M = 64
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+@pytest.fixture(autouse=True)
+def _full_fp32_matmul():
+    """The float32 reference must be real float32 (no TF32)."""
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)
+
+
+# Helpers as in test_fwd_gpu.py.
+
+
+def _require_built(head_dim, dtype):
+    cfg = flash_attn_hopper.build_config()
+    if head_dim not in cfg["head_dims"] or dtype not in cfg["dtypes"]:
+        pytest.skip(f"head_dim {head_dim} / {dtype} not in this build (FAH_HDIMS/FAH_DTYPES)")
+
+
+def _built_dtype(head_dim):
+    """A dtype this build compiles for head_dim (fp16 preferred), else skip."""
+    cfg = flash_attn_hopper.build_config()
+    for dtype in DTYPES:
+        if head_dim in cfg["head_dims"] and dtype in cfg["dtypes"]:
+            return dtype
+    pytest.skip(f"head_dim {head_dim} not in this build (FAH_HDIMS/FAH_DTYPES)")
+
+
+def _poison_allocator(*nbytes):
+    """Fill the CUDA caching allocator with NaN: allocate blocks of these sizes on the current stream, fill them
+    with 0xFF bytes (NaN in fp16, bf16 and fp32) and free them, so the next allocations of these sizes on this
+    stream reuse NaN-filled memory. Synchronizes the device (empty_cache)."""
+    torch.cuda.empty_cache()  # drop other cached blocks, so the poisoned ones are the best fit
+    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in nbytes if n > 0]
+    del blocks
+
+
+def _bwd_nbytes(q, k, v):
+    """Sizes of what the backward allocates: dQ, dK, dV, the fp32 dQ accumulator, LSE (log2) and dPsum."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    rows = batch * nheads * (-(-seqlen_q // BWD_BLOCK_M) * BWD_BLOCK_M)
+    esize = q.element_size()
+    return q.numel() * esize, k.numel() * esize, v.numel() * esize, rows * head_dim * 4, rows * 4, rows * 4
+
+
+def _poison_bwd(q, k, v):
+    _poison_allocator(*_bwd_nbytes(q, k, v))
+
+
+def _randn(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype, device="cuda")
+
+
+def _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype, scale=None):
+    """Random q, k, v (standard normal, times scale if given)."""
+    q, k, v = (
+        _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype),
+        _randn(batch, seqlen_k, nheads, head_dim, dtype=dtype),
+        _randn(batch, seqlen_k, nheads, head_dim, dtype=dtype),
+    )
+    if scale is not None:
+        q, k, v = q * scale, k * scale, v * scale
+    return q, k, v
+
+
+def _backward(q, k, v, dout, **kwargs):
+    """out = attention(q, k, v, **kwargs) on leaves that require grad, then (out, (dq, dk, dv)) by
+    torch.autograd.grad, with the backward's memory poisoned with NaN beforehand. q, k, v are not modified."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = attention(*leaves, **kwargs)
+    assert out.requires_grad and out.grad_fn is not None
+    _poison_bwd(q, k, v)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return out, grads
+
+
+def _empty_rows(seqlen_q, seqlen_k, causal):
+    """Boolean (seqlen_q,): query rows that see no key."""
+    if not causal:
+        return torch.zeros(seqlen_q, dtype=torch.bool, device="cuda")
+    return ~causal_mask(seqlen_q, seqlen_k, device="cuda").any(dim=1)
+
+
+def _check_grads(grads, q, k, v, dout, causal=False, softmax_scale=None, name=""):
+    """Shapes/dtypes, then dQ, dK, dV by the rule against float32 autograd; dQ rows that see no key exactly 0.
+    Returns the float32 reference gradients."""
+    for gname, g, t in zip(GRAD_NAMES, grads, (q, k, v)):
+        assert g.shape == t.shape and g.dtype == t.dtype and g.device == t.device, f"{name} {gname}"
+    ref = attention_ref_grads(q, k, v, dout, softmax_scale=softmax_scale, causal=causal, upcast=True)
+    naive = attention_ref_grads(q, k, v, dout, softmax_scale=softmax_scale, causal=causal, upcast=False)
+    for gname, g, r, n in zip(GRAD_NAMES, grads, ref, naive):
+        # The rule is only meaningful with a finite naive error.
+        assert torch.isfinite(n).all(), f"{name} {gname}: the naive reference is not finite"
+        assert_close_by_rule(g, r, n, f"{name} {gname}")
+    empty = _empty_rows(q.shape[1], k.shape[1], causal)
+    if empty.any():
+        rows = grads[0][:, empty]
+        assert torch.equal(rows, torch.zeros_like(rows)), f"{name}: dQ rows that see no key are not exactly 0"
+    return ref
+
+
+# ------------------------------------------------------------------------------------------------- main grid
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bwd_matches_reference(dtype, head_dim, causal, seqlen_q, seqlen_k):
+    _require_built(head_dim, dtype)
+    batch, nheads = 2, 3
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
+    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    _, grads = _backward(q, k, v, dout, causal=causal)
+    _check_grads(grads, q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bwd_long_sequence(dtype, causal):
+    """seqlen 4224 = 33 x 128 (many K/V tiles per head, many Q tiles per CTA), at head_dim 128 only."""
+    head_dim = 128
+    _require_built(head_dim, dtype)
+    batch, nheads, seqlen = 1, 2, 4224
+    q, k, v = _qkv(batch, seqlen, seqlen, nheads, head_dim, dtype)
+    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    _, grads = _backward(q, k, v, dout, causal=causal)
+    _check_grads(grads, q, k, v, dout, causal=causal, name="4224")
+
+
+@pytest.mark.parametrize("softmax_scale", [0.3, 0.02])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_bwd_softmax_scale(head_dim, causal, softmax_scale):
+    """A scale other than the default reaches P, dQ = α dS K and dK = α dSᵀ Q."""
+    dtype = _built_dtype(head_dim)
+    q, k, v = _qkv(2, 239, 203, 3, head_dim, dtype)
+    dout = _randn(2, 239, 3, head_dim, dtype=dtype)
+    _, grads = _backward(q, k, v, dout, causal=causal, softmax_scale=softmax_scale)
+    _check_grads(grads, q, k, v, dout, causal=causal, softmax_scale=softmax_scale, name=f"scale {softmax_scale}")
+
+
+# ----------------------------------------------------------------------------------------- special cases
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bwd_one_key_softmax_is_constant(dtype, head_dim):
+    """seqlen 1 x 1, inputs scaled by 3, dO all ones: the softmax over one key is 1 whatever the score, so dQ = dK = 0
+    and dV = dO. The kernel's dS = P (dP - D) takes two fp32 sums of the same products, so dQ and dK may differ from 0
+    by rounding noise; the rule (floor 1e-4, the reference being exactly 0) bounds it."""
+    _require_built(head_dim, dtype)
+    batch, nheads = 2, 3
+    q, k, v = _qkv(batch, 1, 1, nheads, head_dim, dtype, scale=3.0)
+    dout = torch.ones(batch, 1, nheads, head_dim, dtype=dtype, device="cuda")
+    _, (dq, dk, dv) = _backward(q, k, v, dout)
+    ref = _check_grads((dq, dk, dv), q, k, v, dout, name="1x1")
+    # the construction does what it says: the reference gradients are exactly 0, 0 and dO
+    assert torch.equal(ref[0], torch.zeros_like(ref[0])) and torch.equal(ref[1], torch.zeros_like(ref[1]))
+    assert torch.equal(ref[2], dout.float())
+    naive_dv = attention_ref_grads(q, k, v, dout, upcast=False)[2]
+    assert_close_by_rule(dv, dout.float(), naive_dv, "dv vs dO")
+
+
+def test_bwd_causal_scaled_inputs():
+    """Causal, seqlen 1024, head_dim 128, fp16, inputs scaled by 3: logits with a standard deviation near 9, so the
+    softmax is peaked and P rounds to 0 over most of each row. Every gradient finite and within the rule."""
+    head_dim, dtype = 128, torch.float16
+    _require_built(head_dim, dtype)
+    batch, nheads, seqlen = 2, 3, 1024
+    q, k, v = _qkv(batch, seqlen, seqlen, nheads, head_dim, dtype, scale=3.0)
+    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    _, grads = _backward(q, k, v, dout, causal=True)
+    for name, g in zip(GRAD_NAMES, grads):
+        assert torch.isfinite(g).all(), f"{name} is not finite"
+    _check_grads(grads, q, k, v, dout, causal=True, name="scaled x3")
+
+
+def _dout_with_layout(layout, batch, seqlen, nheads, head_dim, dtype):
+    """A (batch, seqlen, nheads, head_dim) dO that is not laid out like out."""
+    if layout == "transposed":  # made in SDPA's (batch, nheads, seqlen, head_dim) layout and transposed
+        t = _randn(batch, nheads, seqlen, head_dim, dtype=dtype).transpose(1, 2)
+        assert not t.is_contiguous() and t.stride(1) == head_dim
+    elif layout == "sliced":  # the first half of a wider last dim: 16-byte strides, read in place
+        t = _randn(batch, seqlen, nheads, 2 * head_dim, dtype=dtype)[..., :head_dim]
+        assert not t.is_contiguous()
+    elif layout == "odd_stride":  # row/head strides not multiples of 16 bytes: copied before the kernel
+        t = _randn(batch, seqlen, nheads, head_dim + 1, dtype=dtype)[..., :head_dim]
+        assert (t.stride(2) * t.element_size()) % 16 != 0
+    elif layout == "broadcast":  # one random row expanded over batch and seqlen (stride 0), as from a sum
+        t = _randn(1, 1, nheads, head_dim, dtype=dtype).expand(batch, seqlen, nheads, head_dim)
+        assert t.stride(0) == 0 and t.stride(1) == 0
+    else:
+        raise AssertionError(layout)
+    assert t.shape == (batch, seqlen, nheads, head_dim)
+    return t
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "odd_stride", "broadcast"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_bwd_dout_layouts(head_dim, layout):
+    """dO of any strides is read as the values it holds, not assumed to share out's layout."""
+    dtype = _built_dtype(head_dim)
+    batch, seqlen_q, seqlen_k, nheads = 2, 203, 113, 3
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
+    dout = _dout_with_layout(layout, batch, seqlen_q, nheads, head_dim, dtype)
+    before = dout.clone()
+    _, grads = _backward(q, k, v, dout, causal=True)
+    assert torch.equal(dout, before), "dO was modified"
+    _check_grads(grads, q, k, v, dout.contiguous(), causal=True, name=f"dO {layout}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bwd_packed_qkv(dtype, causal):
+    """q, k, v sliced out of one (batch, seqlen, 3, nheads, head_dim) leaf at head_dim 256: the gradient of the
+    packed tensor holds dQ, dK, dV in its three slices."""
+    head_dim = 256
+    _require_built(head_dim, dtype)
+    batch, seqlen, nheads = 2, 203, 3
+    qkv = _randn(batch, seqlen, 3, nheads, head_dim, dtype=dtype)
+    before = qkv.clone()
+    qkv.requires_grad_(True)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    out = attention(q, k, v, causal=causal)
+    _poison_bwd(q, k, v)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    assert dqkv.shape == qkv.shape and dqkv.dtype == dtype
+    assert torch.equal(qkv.detach(), before)
+    _check_grads(dqkv.unbind(2), *(t.detach() for t in (q, k, v)), dout, causal=causal, name="packed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bwd_causal_more_queries_than_keys(dtype):
+    """seqlen_q 2048 > seqlen_k 1024, bottom-right causal: query rows 0..1023 see no key, so their dQ rows are exactly
+    0, they add nothing to dK and dV, and no gradient holds NaN."""
+    head_dim = 128
+    _require_built(head_dim, dtype)
+    batch, nheads, seqlen_q, seqlen_k = 2, 3, 2048, 1024
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
+    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    out, (dq, dk, dv) = _backward(q, k, v, dout, causal=True)
+    for name, g in zip(GRAD_NAMES, (dq, dk, dv)):
+        assert not torch.isnan(g).any(), f"{name} holds NaN"
+    blind = dq[:, :1024]
+    assert torch.equal(blind, torch.zeros_like(blind)), "dQ rows that see no key must be exactly 0"
+    assert torch.equal(out[:, :1024], torch.zeros_like(out[:, :1024]))
+    _check_grads((dq, dk, dv), q, k, v, dout, causal=True, name="causal 2048x1024")
+    # The blind rows add nothing: changing their dO (and nothing else) leaves dK and dV within the rule of the
+    # original reference.
+    dout2 = dout.clone()
+    dout2[:, :1024] = _randn(batch, 1024, nheads, head_dim, dtype=dtype) * 100
+    _, (_, dk2, dv2) = _backward(q, k, v, dout2, causal=True)
+    ref = attention_ref_grads(q, k, v, dout, causal=True)
+    naive = attention_ref_grads(q, k, v, dout, causal=True, upcast=False)
+    assert_close_by_rule(dk2, ref[1], naive[1], "dk with the blind rows' dO changed")
+    assert_close_by_rule(dv2, ref[2], naive[2], "dv with the blind rows' dO changed")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 7), (7, 0), (0, 0)])
+def test_bwd_empty_sequences(seqlen_q, seqlen_k, causal):
+    head_dim = 128
+    dtype = _built_dtype(head_dim)
+    batch, nheads = 2, 3
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
+    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    _, grads = _backward(q, k, v, dout, causal=causal)
+    for name, g, t in zip(GRAD_NAMES, grads, (q, k, v)):
+        assert g.shape == t.shape and g.dtype == dtype and g.device == t.device, name
+        assert torch.equal(g, torch.zeros_like(g)), name
+
+
+# ---------------------------------------------------------------------------------------------------- autograd
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "kv", "qkv"])
+def test_bwd_only_inputs_that_require_grad(which):
+    """Gradients reach exactly the inputs with requires_grad (the others keep .grad None), and the output with
+    autograd equals the output without it."""
+    head_dim = 128
+    dtype = _built_dtype(head_dim)
+    batch, seqlen_q, seqlen_k, nheads = 2, 203, 113, 3
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
+    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    leaves = {name: t.detach().requires_grad_(name in which) for name, t in zip("qkv", (q, k, v))}
+    out = attention(leaves["q"], leaves["k"], leaves["v"], causal=True)
+    assert out.requires_grad
+    assert torch.equal(out.detach(), attention(q, k, v, causal=True))
+    _poison_bwd(q, k, v)
+    out.backward(dout)
+    ref = attention_ref_grads(q, k, v, dout, causal=True)
+    naive = attention_ref_grads(q, k, v, dout, causal=True, upcast=False)
+    for i, name in enumerate("qkv"):
+        grad = leaves[name].grad
+        if name in which:
+            assert grad is not None and grad.shape == leaves[name].shape and grad.dtype == dtype, name
+            assert_close_by_rule(grad, ref[i], naive[i], f"d{name}")
+        else:
+            assert grad is None, f"{name} does not require grad but got a gradient"
+
+
+def test_bwd_no_graph_without_requires_grad():
+    head_dim = 128
+    dtype = _built_dtype(head_dim)
+    q, k, v = _qkv(2, 113, 203, 3, head_dim, dtype)
+    out = attention(q, k, v)
+    assert not out.requires_grad and out.grad_fn is None
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with torch.no_grad():
+        out_no_grad = attention(*leaves)
+    assert not out_no_grad.requires_grad and out_no_grad.grad_fn is None
+    out, lse = attention(*leaves, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad, "lse is not differentiable"
+
+
+def test_bwd_twice_with_retain_graph():
+    """Two backward passes through one graph (retain_graph=True) both give gradients within the rule. They need not
+    be bit-identical: dQ is accumulated with atomics."""
+    head_dim = 128
+    dtype = _built_dtype(head_dim)
+    batch, seqlen_q, seqlen_k, nheads = 2, 1023, 1024, 3
+    q, k, v = _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype)
+    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = attention(*leaves, causal=True)
+    _poison_bwd(q, k, v)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    _poison_bwd(q, k, v)
+    second = torch.autograd.grad(out, leaves, dout)
+    _check_grads(first, q, k, v, dout, causal=True, name="first")
+    _check_grads(second, q, k, v, dout, causal=True, name="second")
+    # dK and dV are not atomics: one CTA per key block accumulates them in registers over the query blocks in a
+    # fixed order, so they repeat bit for bit.
+    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+
+
+def test_bwd_non_default_stream():
+    """On a side stream kept busy, the inputs and dO are written and then forward and backward run: a kernel launched
+    on any other stream would run before the writes land and read the stale values."""
+    head_dim = 128
+    dtype = _built_dtype(head_dim)
+    batch, seqlen, nheads = 2, 1024, 3
+    q, k, v = _qkv(batch, seqlen, seqlen, nheads, head_dim, dtype)
+    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    stale = [torch.randn_like(t) for t in (q, k, v, dout)]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    assert side != torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        # poison first: _poison_allocator synchronizes the device, which must not happen after the sleep
+        _poison_bwd(q, k, v)
+        torch.cuda._sleep(100_000_000)  # keeps `side` busy for tens of ms
+        for dst, src in zip(stale, (q, k, v, dout)):
+            dst.copy_(src)
+        leaves = [t.requires_grad_(True) for t in stale[:3]]
+        out = attention(*leaves, causal=True)
+        grads = torch.autograd.grad(out, leaves, stale[3])
+    torch.cuda.current_stream().wait_stream(side)
+    for t in stale:  # made on the default stream, used on `side`
+        t.record_stream(side)
+    _check_grads(grads, q, k, v, dout, causal=True, name="side stream")
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+
+
+def test_bwd_peak_memory(record_property):
+    """batch 1, nheads 16, seqlen 16384, head_dim 128, bf16: the peak memory of forward + backward, above what was
+    allocated before q, k, v and dO were made, stays within 2x what q, k, v, out, dO, dQ, dK, dV and the fp32 dQ
+    accumulator need. A seqlen_q x seqlen_k buffer anywhere (8 GiB in bf16 here) would break it by far. The figure
+    goes into the junit XML (record_property)."""
+    head_dim, dtype = 128, torch.bfloat16
+    _require_built(head_dim, dtype)
+    batch, nheads, seqlen = 1, 16, 16384
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    q, k, v = (t.requires_grad_(True) for t in _qkv(batch, seqlen, seqlen, nheads, head_dim, dtype))
+    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    one = q.numel() * q.element_size()  # 64 MiB
+    dq_accum = batch * nheads * (-(-seqlen // BWD_BLOCK_M) * BWD_BLOCK_M) * head_dim * 4
+    need = 8 * one + dq_accum  # q, k, v, out, dO, dQ, dK, dV + dQ accumulator
+    # Poison here rather than between forward and backward, so the poisoned blocks do not count in the peak: out
+    # and LSE take the first ones, dQ, dK, dV, the accumulator and the row vectors the rest.
+    _poison_allocator(one, *_bwd_nbytes(q, k, v), batch * nheads * seqlen * 4)
+    torch.cuda.reset_peak_memory_stats()
+    out = attention(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    record_property("bwd_peak_memory_bytes", peak)
+    record_property("bwd_needed_bytes", need)
+    mib = 2**20
+    assert peak <= 2 * need, (
+        f"peak {peak / mib:.0f} MiB over forward + backward > 2 x {need / mib:.0f} MiB needed "
+        f"(q, k, v, out, dO, dQ, dK, dV {8 * one / mib:.0f} MiB + dQ accumulator {dq_accum / mib:.0f} MiB)"
+    )
+    for name, g in zip(GRAD_NAMES, (dq, dk, dv)):
+        assert torch.isfinite(g).all(), f"{name} is not finite"
+    # dQ rows depend only on their own query row (non-causal): check the first and last 64 rows by the rule.
+    q, k, v = (t.detach() for t in (q, k, v))
+    rows = torch.cat([torch.arange(64), torch.arange(seqlen - 64, seqlen)]).cuda()
+    ref = attention_ref_grads(q[:, rows], k, v, dout[:, rows])[0]
+    naive = attention_ref_grads(q[:, rows], k, v, dout[:, rows], upcast=False)[0]
+    assert_close_by_rule(dq[:, rows], ref, naive, "dq rows")
