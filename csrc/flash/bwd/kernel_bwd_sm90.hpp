@@ -38,10 +38,11 @@ struct BwdKernelTraits {
   static constexpr int NumMmaWarpGroups = 2;
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
-  // setmaxnreg budgets: 24 * 128 + 240 * 256 = 64512 of the 65536 registers per SM. At 56/224 the consumers of
-  // head_dim 128 spilled ~16 words inside the loop; at 24/240 a few loop-invariant words remain spilled.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg budgets, 24/240 or 56/224 (x 128 + x 256 = 64512 of the 65536 registers per SM), whichever spilled
+  // least on 2026-11-29: head_dim 128 spilled ~16 words inside the consumer loop at 56/224 and a few loop-invariant
+  // words at 24/240; head_dim 256 spilled 20 bytes at 56/224 and 184 bytes (mostly producer) at 24/240.
+  static constexpr int kProducerRegs = kHeadDim > 128 ? 56 : 24;
+  static constexpr int kConsumerRegs = kHeadDim > 128 ? 224 : 240;
   // dQ_tile is computed in head_dim slices so its accumulator stays at 32 registers per thread beside the 128 of
   // dK and dV (a whole head_dim 256 tile needs 64 and spills).
   static constexpr int kDQPasses = kHeadDim > 128 ? 2 : 1;
