@@ -37,6 +37,44 @@ def _load():
 EXTENSION_LOADED = _load()
 
 
+def _register_python_kernels():
+    """Fake (meta) kernels and the autograd formula of the C++ ops, so torch.compile traces them as graph nodes.
+
+    The forward saves q, k, v, out and lse; its backward is the FlashAttention-3 backward op (paper §2.1).
+    lse is an output but not differentiable (marked so): a loss that uses it gets no gradient through it.
+    """
+
+    @torch.library.register_fake("flash_attn_hopper::fwd")
+    def _fwd_fake(q, k, v, softmax_scale, causal):
+        batch, seqlen_q, nheads, _ = q.shape
+        return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])), q.new_empty(
+            (batch, nheads, seqlen_q), dtype=torch.float32
+        )
+
+    @torch.library.register_fake("flash_attn_hopper::bwd")
+    def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def _fwd_setup_context(ctx, inputs, output):
+        q, k, v, softmax_scale, causal = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.mark_non_differentiable(lse)
+
+    def _fwd_backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.flash_attn_hopper.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+        return dq, dk, dv, None, None
+
+    torch.library.register_autograd("flash_attn_hopper::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+if EXTENSION_LOADED:
+    _register_python_kernels()
+
+
 def require_extension():
     """Raises RuntimeError with the reason when the compiled extension is unavailable."""
     if not EXTENSION_LOADED:

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -80,35 +81,56 @@ void check_qkv(at::Tensor const& t, char const* name, at::Tensor const& q) {
   TORCH_CHECK(t.device() == q.device(), name, " must be on the same device as q");
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have the dtype of q");
   TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (batch, seqlen, nheads, head_dim)");
-  TORCH_CHECK(t.stride(-1) == 1, name, " must have stride 1 in its last dimension");
   TORCH_CHECK(t.size(0) == q.size(0) && t.size(2) == q.size(2) && t.size(3) == q.size(3), name,
               " must match q in batch, nheads and head_dim");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned (TMA)");
-  for (int d = 0; d < 3; ++d) {
-    TORCH_CHECK(t.size(d) == 1 || (t.stride(d) != 0 && (t.stride(d) * t.element_size()) % 16 == 0), name, " stride of dim ", d,
-                " must be a nonzero multiple of 16 bytes (TMA)");
-  }
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+void check_sm90(at::Tensor const& q) {
+  auto const* props = at::cuda::getDeviceProperties(q.device().index());
+  TORCH_CHECK(props->major == 9 && props->minor == 0, "flash_attn_hopper needs an sm90 GPU (H100/H200); ",
+              q.device(), " is ", props->name, " (sm", props->major, props->minor, ")");
+}
+
+// TMA reads in place only a 16-byte aligned base with nonzero 16-byte multiple strides (size-1 dims excepted)
+// and a unit last stride; other views are copied once. Packed qkv slices and transposed gradients of the usual
+// shapes qualify and are not copied.
+at::Tensor tma_ready(at::Tensor const& t) {
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < t.dim() - 1 && ok; ++d) {
+    ok = t.size(d) == 1 || (t.stride(d) != 0 && (t.stride(d) * t.element_size()) % 16 == 0);
+  }
+  if (ok) { return t; }
+  at::Tensor c = t.contiguous();
+  // contiguous() returns the tensor itself when only a size-1 dim's stride or the alignment was off.
+  return c.data_ptr() == t.data_ptr() ? t.clone(at::MemoryFormat::Contiguous) : c;
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
                                        double softmax_scale, bool causal) {
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
-  check_qkv(q, "q", q);
-  check_qkv(k, "k", q);
-  check_qkv(v, "v", q);
-  TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
+  TORCH_CHECK(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16,
+              "q must be float16 or bfloat16");
+  check_qkv(q_in, "q", q_in);
+  check_qkv(k_in, "k", q_in);
+  check_qkv(v_in, "v", q_in);
+  TORCH_CHECK(k_in.size(1) == v_in.size(1), "k and v must have the same seqlen_k");
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
-  int const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
-  int const seqlen_k = k.size(1);
-  TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && seqlen_k >= 1 && nheads >= 1, "empty problems are handled in Python");
+  int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
+  int const seqlen_k = k_in.size(1);
   TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
-  auto* run = select_kernels(head_dim, q.scalar_type()).fwd;
-  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q.scalar_type(), " is not in this build (",
+  auto* run = select_kernels(head_dim, q_in.scalar_type()).fwd;
+  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q_in.scalar_type(), " is not in this build (",
               build_config(), ")");
 
-  c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim}, q.options());
-  at::Tensor lse = at::empty({batch, nheads, seqlen_q}, q.options().dtype(at::kFloat));
+  c10::cuda::CUDAGuard guard(q_in.device());
+  check_sm90(q_in);
+  at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim}, q_in.options());
+  at::Tensor lse = at::empty({batch, nheads, seqlen_q}, q_in.options().dtype(at::kFloat));
+  if (out.numel() == 0 || seqlen_k == 0) {  // nothing to attend to: rows are 0, LSE -inf; no launch
+    out.zero_();
+    lse.fill_(-INFINITY);
+    return {out, lse};
+  }
+  at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
 
   flash::FwdParams p{};
   p.q_ptr = q.data_ptr();
@@ -130,16 +152,27 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q, at::Tensor const& k,
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k,
-                                                   at::Tensor const& v, at::Tensor const& out, at::Tensor const& lse,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at::Tensor const& q_in,
+                                                   at::Tensor const& k_in, at::Tensor const& v_in,
+                                                   at::Tensor const& out_in, at::Tensor const& lse,
                                                    double softmax_scale, bool causal) {
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
-  check_qkv(q, "q", q);
-  check_qkv(k, "k", q);
-  check_qkv(v, "v", q);
-  check_qkv(out, "out", q);
-  check_qkv(dout, "dout", q);
-  TORCH_CHECK(out.sizes() == q.sizes() && dout.sizes() == q.sizes(), "out and dout must have the shape of q");
+  TORCH_CHECK(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16,
+              "q must be float16 or bfloat16");
+  check_qkv(q_in, "q", q_in);
+  check_qkv(k_in, "k", q_in);
+  check_qkv(v_in, "v", q_in);
+  check_qkv(out_in, "out", q_in);
+  check_qkv(dout_in, "dout", q_in);
+  TORCH_CHECK(out_in.sizes() == q_in.sizes() && dout_in.sizes() == q_in.sizes(),
+              "out and dout must have the shape of q");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  check_sm90(q_in);
+  if (q_in.numel() == 0 || k_in.numel() == 0) {
+    return {at::zeros(q_in.sizes(), q_in.options()), at::zeros(k_in.sizes(), k_in.options()),
+            at::zeros(v_in.sizes(), v_in.options())};
+  }
+  at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
+  at::Tensor out = tma_ready(out_in), dout = tma_ready(dout_in);
   TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   int const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
@@ -147,13 +180,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout, at::T
   TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
                   lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads && lse.size(2) == seqlen_q,
               "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
-  TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && seqlen_k >= 1 && nheads >= 1, "empty problems are handled in Python");
   TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
   auto* run = select_kernels(head_dim, q.scalar_type()).bwd;
   TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q.scalar_type(), " is not in this build (",
               build_config(), ")");
 
-  c10::cuda::CUDAGuard guard(q.device());
   int const seqlen_q_rounded = (seqlen_q + flash::kBwdBlockM - 1) / flash::kBwdBlockM * flash::kBwdBlockM;
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
