@@ -6,7 +6,8 @@
 //   hdim 128: 128 x 128, 2 stages -> 160 KiB
 //   hdim 256: 128 x  80, 2 stages -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
 // Two consumer warpgroups of 64 query rows each (kBlockM = 128). First configuration (2026-11-29): chosen to fit,
-// not yet tuned by measurement.
+// not yet tuned by measurement. kIntraWGOverlap (issue QKᵀ of the next block before the softmax of this one) needs
+// S, P and O live at once: head_dim 256 spills 76 bytes with it at 224 registers, so it runs without.
 #pragma once
 
 namespace flash {
@@ -17,16 +18,19 @@ struct FwdTileConfig;
 template <>
 struct FwdTileConfig<64> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  static constexpr bool kIntraWGOverlap = true;
 };
 
 template <>
 struct FwdTileConfig<128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  static constexpr bool kIntraWGOverlap = true;
 };
 
 template <>
 struct FwdTileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
+  static constexpr bool kIntraWGOverlap = false;
 };
 
 // Backward: kBlockM query rows per iteration (one 64-row WGMMA tile), kBlockN keys resident per CTA.

@@ -64,6 +64,19 @@ CUTLASS_DEVICE auto convert_type(Tensor<Engine, Layout> const& src) {
   return dst;
 }
 
+// Element-wise conversion into an existing register fragment of the same size (layouts may differ: the values are
+// taken in storage order, which is what re-viewing an accumulator as an A operand keeps).
+template <class EngineS, class LayoutS, class EngineD, class LayoutD>
+CUTLASS_DEVICE void convert_type_into(Tensor<EngineS, LayoutS> const& src, Tensor<EngineD, LayoutD>& dst) {
+  using From = typename EngineS::value_type;
+  using To = typename EngineD::value_type;
+  constexpr int N = decltype(cute::size(src))::value;
+  static_assert(N == decltype(cute::size(dst))::value);
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
 // The four threads of a quad hold the same accumulator rows; reduce across them.
 CUTLASS_DEVICE float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));

@@ -22,9 +22,10 @@ namespace flash {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIntraWGOverlap_>
 struct FwdKernelTraits {
   using Element = Element_;
+  static constexpr bool kIntraWGOverlap = kIntraWGOverlap_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -169,25 +170,62 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   if (n_block_max > n_block_min) {
     ss.barrier_q.wait(0);
-    typename Traits::PipelineState read_state;
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-      Tensor tSrS = partition_fragment_C(tiled_mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipeline_k.consumer_wait(read_state);
-      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, read_state.index()), tSrS);
-      warpgroup_wait<0>();
-      pipeline_k.consumer_release(read_state);
+    // Intra-warpgroup overlap (FlashAttention-3 paper §3.2, Algorithm 2): while the softmax of key block j runs
+    // on the CUDA cores, the tensor cores already work on O += P_{j-1} V_{j-1}. K and V stages are read one
+    // block apart, hence two read states.
+    typename Traits::PipelineState k_state, v_state;
+    auto S = [&] { return partition_fragment_C(tiled_mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}); };
+    Tensor tSrS = S();
+    Tensor tOrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));  // P of the previous block, A operand
 
+    int n_block = n_block_max - 1;
+    pipeline_k.consumer_wait(k_state);
+    wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+    warpgroup_wait<0>();
+    pipeline_k.consumer_release(k_state);
+    ++k_state;
+    if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
+    softmax.step(tSrS);  // O is still zero: nothing to rescale
+    convert_type_into(tSrS, tOrP);
+
+    for (--n_block; n_block >= n_block_min; --n_block) {
+      Tensor tSrS = S();
+      if constexpr (!Traits::kIntraWGOverlap) {  // finish P V of the previous block first (fewer live registers)
+        pipeline_v.consumer_wait(v_state);
+        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+        warpgroup_wait<0>();
+        pipeline_v.consumer_release(v_state);
+        ++v_state;
+        pipeline_k.consumer_wait(k_state);
+        wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+        warpgroup_wait<0>();
+        pipeline_k.consumer_release(k_state);
+        ++k_state;
+        if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
+        OnlineSoftmax<kRows>::scale_rows(tOrO, softmax.step(tSrS));
+        convert_type_into(tSrS, tOrP);
+        continue;
+      }
+      pipeline_k.consumer_wait(k_state);
+      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+      pipeline_v.consumer_wait(v_state);
+      wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+      warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
+      pipeline_k.consumer_release(k_state);
+      ++k_state;
       if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
       auto rescale = softmax.step(tSrS);
+      warpgroup_wait<0>();  // O and the registers of P are free again
+      pipeline_v.consumer_release(v_state);
+      ++v_state;
       OnlineSoftmax<kRows>::scale_rows(tOrO, rescale);
-      Tensor tOrP = make_tensor(convert_type<Element>(tSrS).data(), acc_to_a_operand(tSrS.layout()));
-
-      pipeline_v.consumer_wait(read_state);
-      wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, read_state.index()), tOrO);
-      warpgroup_wait<0>();
-      pipeline_v.consumer_release(read_state);
-      ++read_state;
+      convert_type_into(tSrS, tOrP);
     }
+
+    pipeline_v.consumer_wait(v_state);
+    wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+    warpgroup_wait<0>();
+    pipeline_v.consumer_release(v_state);
   }
 
   // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q are not written).

@@ -15,7 +15,7 @@ namespace flash {
 template <class Element, int kHeadDim>
 cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   using Cfg = FwdTileConfig<kHeadDim>;
-  using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages>;
+  using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap>;
   constexpr int64_t k16 = 16 / sizeof(Element);
 
   auto make_gmem = [&](void const* ptr, int seqlen, int64_t row, int64_t head, int64_t batch) {
