@@ -3,6 +3,7 @@
 // are the safety net for direct torch.ops calls.
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 
@@ -85,6 +86,15 @@ void check_qkv(at::Tensor const& t, char const* name, at::Tensor const& q) {
               " must match q in batch, nheads and head_dim");
 }
 
+// Development knob for measuring the forward's ping-pong scheduling: FAH_FWD_PINGPONG=0 turns it off.
+bool fwd_pingpong() {
+  static bool const enabled = [] {
+    char const* v = std::getenv("FAH_FWD_PINGPONG");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
 void check_sm90(at::Tensor const& q) {
   auto const* props = at::cuda::getDeviceProperties(q.device().index());
   TORCH_CHECK(props->major == 9 && props->minor == 0, "flash_attn_hopper needs an sm90 GPU (H100/H200); ",
@@ -146,6 +156,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
   p.softmax_scale = float(softmax_scale);
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
   p.is_causal = causal;
+  p.pingpong = fwd_pingpong();
 
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper forward launch failed: ", cudaGetErrorString(err));

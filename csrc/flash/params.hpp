@@ -27,6 +27,7 @@ struct FwdParams {
   float softmax_scale;       // > 0
   float softmax_scale_log2;  // softmax_scale * log2(e), so exp(x * scale) == exp2(x * scale_log2)
   bool is_causal;            // bottom-right aligned
+  bool pingpong;             // consumer warpgroups take turns issuing GEMMs (named barriers)
 };
 
 struct BwdParams {

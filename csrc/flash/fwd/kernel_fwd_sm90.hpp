@@ -96,6 +96,7 @@ struct FwdKernelTraits {
     int nheads, seqlen_q, seqlen_k;
     float softmax_scale, softmax_scale_log2;
     bool is_causal;
+    bool pingpong;
   };
 };
 
@@ -168,6 +169,19 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Mask<kBlockM, kBlockN> mask{params.seqlen_q, params.seqlen_k, params.is_causal};
   clear(tOrO);
 
+  // Ping-pong between the two consumer warpgroups (FlashAttention-3 paper §3.1): a warpgroup issues its GEMMs only
+  // in its turn and hands the turn over right after, so one warpgroup's softmax runs under the other's GEMMs.
+  // Named barrier 2 + w is warpgroup w's turn; the other warpgroup arrives on it.
+  int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
+  bool const pingpong = params.pingpong && n_block_max > n_block_min;
+  auto wait_turn = [&] {
+    if (pingpong) { cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 2 + wg); }
+  };
+  auto pass_turn = [&] {
+    if (pingpong) { cutlass::arch::NamedBarrier::arrive(Traits::NumMmaThreads, 2 + (1 - wg)); }
+  };
+  if (pingpong && wg == 1) { cutlass::arch::NamedBarrier::arrive(Traits::NumMmaThreads, 2 + 0); }  // wg 0 first
+
   if (n_block_max > n_block_min) {
     ss.barrier_q.wait(0);
     // Intra-warpgroup overlap (FlashAttention-3 paper §3.2, Algorithm 2): while the softmax of key block j runs
@@ -180,7 +194,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
     int n_block = n_block_max - 1;
     pipeline_k.consumer_wait(k_state);
+    wait_turn();
     wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+    pass_turn();
     warpgroup_wait<0>();
     pipeline_k.consumer_release(k_state);
     ++k_state;
@@ -192,12 +208,14 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       Tensor tSrS = S();
       if constexpr (!Traits::kIntraWGOverlap) {  // finish P V of the previous block first (fewer live registers)
         pipeline_v.consumer_wait(v_state);
+        pipeline_k.consumer_wait(k_state);
+        wait_turn();
         wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-        warpgroup_wait<0>();
+        warpgroup_wait<0>();  // P's registers die before S's accumulator is born
         pipeline_v.consumer_release(v_state);
         ++v_state;
-        pipeline_k.consumer_wait(k_state);
         wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+        pass_turn();
         warpgroup_wait<0>();
         pipeline_k.consumer_release(k_state);
         ++k_state;
@@ -207,9 +225,11 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         continue;
       }
       pipeline_k.consumer_wait(k_state);
-      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
       pipeline_v.consumer_wait(v_state);
+      wait_turn();
+      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
       wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+      pass_turn();
       warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
       pipeline_k.consumer_release(k_state);
       ++k_state;
@@ -223,9 +243,13 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     }
 
     pipeline_v.consumer_wait(v_state);
+    wait_turn();
     wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+    pass_turn();
     warpgroup_wait<0>();
     pipeline_v.consumer_release(v_state);
+    // Every turn warpgroup 1 passes is taken, except its last, left on warpgroup 0's barrier: take it.
+    if (wg == 0) { wait_turn(); }
   }
 
   // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q are not written).

@@ -48,6 +48,7 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       p.softmax_scale,
       p.softmax_scale_log2,
       p.is_causal,
+      p.pingpong,
   };
 
   auto kernel = flash_fwd_sm90_kernel<Traits>;
