@@ -10,7 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -96,9 +96,12 @@ bool fwd_pingpong() {
 }
 
 void check_sm90(at::Tensor const& q) {
-  auto const* props = at::cuda::getDeviceProperties(q.device().index());
-  TORCH_CHECK(props->major == 9 && props->minor == 0, "flash_attn_hopper needs an sm90 GPU (H100/H200); ",
-              q.device(), " is ", props->name, " (sm", props->major, props->minor, ")");
+  int major = 0, minor = 0;
+  int const dev = q.device().index();
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  TORCH_CHECK(major == 9 && minor == 0, "flash_attn_hopper needs an sm90 GPU (H100/H200); ", q.device(),
+              " has compute capability ", major, ".", minor);
 }
 
 // TMA reads in place only a 16-byte aligned base with nonzero 16-byte multiple strides (size-1 dims excepted)

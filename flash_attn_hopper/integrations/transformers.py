@@ -1,0 +1,278 @@
+"""Hugging Face transformers integration: ``attn_implementation="flash_attn_hopper"``.
+
+Usage::
+
+    import flash_attn_hopper.integrations.transformers as fah_tf
+    from transformers import AutoModelForCausalLM
+
+    fah_tf.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="flash_attn_hopper", dtype=torch.bfloat16)
+
+``register()`` puts two functions into transformers' global registries under the name ``"flash_attn_hopper"``:
+
+- ``flash_attn_hopper_attention_forward`` into ``AttentionInterface`` (the attention function every layer calls);
+- ``flash_attn_hopper_mask`` into ``AttentionMaskInterface`` (the mask builder the model calls once per forward).
+  It never builds a dense 4D mask: it returns None for plain causal (or bidirectional) attention without padding, and
+  returns the 2D padding mask otherwise, which the attention function then rejects. Without a mask registration,
+  transformers would drop every attention mask for this name without a word
+  (``masking_utils._preprocess_mask_arguments`` returns None for names it has no mask function for), so a padded
+  batch would silently attend to its padding.
+
+What it supports today: self-attention with nheads_k == nheads (no GQA/MQA yet), causal or not, any softmax scale,
+fp16/bf16 (or fp32 under ``torch.autocast``), head_dim 64/128/256, no padding (attention_mask None or all ones), a
+DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in transformers' flash-attention path).
+Everything else raises a Python exception, naming what is unsupported, before any kernel runs.
+
+Tested with transformers 5.17.0. This module imports transformers; ``import flash_attn_hopper`` does not.
+"""
+
+import torch
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        bidirectional_mask_function,
+        causal_mask_function,
+        flash_attention_mask,
+    )
+except ImportError as _e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "flash_attn_hopper.integrations.transformers needs the `transformers` package (>= 5; tested with 5.17.0): "
+        f"pip install transformers. flash_attn_hopper itself does not need it. ({_e})"
+    ) from _e
+
+from .. import interface as _interface
+
+ATTN_IMPLEMENTATION = "flash_attn_hopper"
+"""The ``attn_implementation`` name that ``register()`` registers."""
+
+# Keyword arguments through which transformers (and its DataCollatorWithFlattening) asks for variable-length batches.
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _where(module):
+    """The start of an error message: which attention module raised it (built only when raising)."""
+    layer_idx = getattr(module, "layer_idx", None)
+    return f"flash_attn_hopper attention in {type(module).__name__}" + (
+        f" (layer {layer_idx})" if layer_idx is not None else ""
+    )
+
+
+def flash_attn_hopper_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    is_causal=None,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
+):
+    """transformers attention function (``AttentionInterface`` signature) computed by ``flash_attn_hopper.attention``.
+
+    Args:
+        module: the calling attention module. Read: ``is_causal`` (used when the ``is_causal`` argument is None;
+            default True) and, for messages, ``layer_idx``.
+        query: ``(batch, nheads, seqlen_q, head_dim)``.
+        key, value: ``(batch, nheads_k, seqlen_k, head_dim)``; nheads_k must equal nheads in this version.
+            Dtypes: float16 or bfloat16 (all three the same). Under ``torch.autocast`` on the tensors' device, every
+            input is first cast to the autocast dtype, as autocast does for SDPA: with float32 weights, Llama's query
+            and key are float32 after the rotary embedding while value is already bfloat16. Only the last dimension
+            must have stride 1; the (batch, seqlen, nheads, head_dim) views are passed to the kernel without a copy.
+        attention_mask: must be None. transformers passes None for causal or full attention without padding (the mask
+            function registered with this one turns an all-ones 2D mask into None); anything else is a padding or
+            custom mask this version cannot represent.
+        dropout: attention dropout probability; must be 0 (set ``config.attention_dropout = 0.0``).
+        scaling: softmax scale (multiplier of Q Kᵀ); None means ``1 / sqrt(head_dim)``.
+        is_causal: causal mask if True; None means ``module.is_causal`` (True when the module has no such attribute).
+            The causal mask is aligned bottom-right (query row i sees key j iff j <= i + seqlen_k - seqlen_q), which
+            is what decoding with a DynamicCache needs (a single query row sees every cached key) and matches
+            transformers' flash-attention path; SDPA's ``is_causal`` is aligned top-left.
+        sliding_window, softcap, and in ``kwargs`` ``s_aux``, ``position_bias``, ``cu_seq_lens_q/k``,
+            ``max_length_q/k``: must be None (not supported yet). ``output_attentions=True`` is ignored with a warning
+            (no attention weights are formed). Other keyword arguments (``position_ids``, ``use_cache``, ...) are
+            ignored.
+
+    Returns:
+        ``(attn_output, None)``: ``attn_output`` of shape ``(batch, seqlen_q, nheads, head_dim)`` in the compute dtype
+        (q's dtype, or the autocast dtype), differentiable with respect to query, key and value.
+
+    Raises:
+        ValueError: ``attention_mask`` is not None (padding masks belong to the variable-length path, not available
+            yet); ``dropout`` is not 0; and, from ``flash_attn_hopper.attention``, bad shapes, head_dim not
+            64/128/256, tensors not on an sm90 CUDA device.
+        NotImplementedError: nheads_k != nheads (grouped-query / multi-query attention), a sliding window, a softcap,
+            attention sinks (``s_aux``), a position bias, or variable-length (padding-free) keyword arguments.
+        TypeError: a dtype other than float16/bfloat16 outside autocast (for example a float32 model: load it with
+            ``dtype=torch.bfloat16`` or run it under ``torch.autocast("cuda", dtype=torch.bfloat16)``).
+        RuntimeError: the compiled extension is not available.
+
+    All checks run before any kernel launch.
+    """
+    if dropout:
+        raise ValueError(
+            f"{_where(module)}: dropout={dropout}; flash_attn_hopper has no attention dropout, so training needs "
+            "config.attention_dropout = 0.0"
+        )
+    if attention_mask is not None:
+        shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise ValueError(
+            f"{_where(module)}: got an attention_mask of shape {shape}; flash_attn_hopper computes causal or full "
+            "attention without padding only (an all-ones 2D attention_mask is dropped before it gets here, so this "
+            "one masks padding, or is a 4D or custom mask). Padding masks need the variable-length path, which is not "
+            "available yet: use batches without padding, or attn_implementation='sdpa' for padded batches."
+        )
+    if key.shape[1] != query.shape[1] or value.shape[1] != query.shape[1]:
+        raise NotImplementedError(
+            f"{_where(module)}: key/value have nheads_k={key.shape[1]} heads for nheads={query.shape[1]} query heads; "
+            "grouped-query and multi-query attention (nheads_k != nheads) are not supported by this version. "
+            "Use num_key_value_heads == num_attention_heads, or attn_implementation='sdpa'."
+        )
+    unsupported = {
+        "sliding_window": sliding_window,
+        "softcap": softcap,
+        "s_aux": kwargs.get("s_aux"),
+        "position_bias": kwargs.get("position_bias"),
+    }
+    for name, val in unsupported.items():
+        if val is not None:
+            raise NotImplementedError(
+                f"{_where(module)}: {name} is not supported by flash_attn_hopper yet (got {name} != None)"
+            )
+    for name in _VARLEN_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{_where(module)}: got {name}; variable-length (padding-free, packed) batches are not supported by "
+                "flash_attn_hopper yet"
+            )
+    if kwargs.get("output_attentions", False):
+        transformers.utils.logging.get_logger(__name__).warning_once(
+            "flash_attn_hopper attention does not form attention weights; `output_attentions=True` returns None "
+            "for them. Use attn_implementation='eager' to get them."
+        )
+
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Autocast casts SDPA's inputs to the autocast dtype; do the same (no-op for tensors already in it).
+        target = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(target), key.to(target), value.to(target)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype not in _interface.SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{_where(module)}: {name} has dtype {t.dtype}; flash_attn_hopper computes in torch.float16 or "
+                "torch.bfloat16: build the model with dtype=torch.bfloat16, or run it under "
+                "torch.autocast(device_type='cuda', dtype=torch.bfloat16)"
+            )
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    # (batch, nheads, seqlen, head_dim) -> (batch, seqlen, nheads, head_dim): a view; the kernel reads these strides.
+    attn_output = _interface.attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        softmax_scale=scaling,
+        causal=causal,
+    )
+    return attn_output, None
+
+
+def flash_attn_hopper_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=causal_mask_function,
+    attention_mask=None,
+    **kwargs,
+):
+    """transformers mask function (``AttentionMaskInterface`` signature) for ``flash_attn_hopper``.
+
+    Returns None when the attention is plain causal or plain bidirectional without padding (``attention_mask`` None or
+    all ones), so the attention function runs the kernel's own causal / full masking; otherwise returns the 2D boolean
+    padding mask ``(batch, kv_length)``, which ``flash_attn_hopper_attention_forward`` rejects with a ValueError. Same
+    as transformers' ``flash_attention_mask``, plus two checks, skipped while torch.compile traces (the first because
+    transformers composes a packed-sequence mask with every mask while tracing, the second because it needs a host
+    value):
+
+    Raises:
+        ValueError: the mask pattern is not plain causal or bidirectional (packed sequences detected from position_ids,
+            a sliding-window or chunked pattern, a custom ``or/and_mask_function``); or, without an attention_mask, the
+            key/value length is not ``q_offset + q_length`` (a StaticCache with empty slots, which would be attended).
+    """
+    if not torch.compiler.is_compiling():
+        if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function:
+            raise ValueError(
+                "flash_attn_hopper attention supports plain causal or bidirectional masks only; this model call "
+                f"needs the mask pattern {getattr(mask_function, '__name__', mask_function)!r} (packed sequences in "
+                "position_ids, a sliding window, a chunked pattern or a custom mask function). Pass position_ids "
+                "that count up without restarting, or use attn_implementation='sdpa'."
+            )
+        if mask_function is causal_mask_function and attention_mask is None and kv_offset == 0:
+            filled = int(q_offset) + q_length
+            if kv_length != filled:
+                raise ValueError(
+                    f"flash_attn_hopper attention: the cache returns {kv_length} key/value positions but only {filled} "
+                    "are filled (a StaticCache or other preallocated cache); without an attention_mask the empty "
+                    "positions would be attended. Use a DynamicCache, or attn_implementation='sdpa'."
+                )
+    return flash_attention_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+
+
+def _skip_flash_kernel_lookup():
+    """Keep transformers from looking for a flash-attn kernel named ``flash_attn_hopper`` when a model is built.
+
+    transformers (checked in 5.17.0) treats every ``attn_implementation`` whose name contains "flash" as a
+    flash-attention build (``utils.generic.is_flash_attention_requested`` is ``"flash" in name``), and
+    ``PreTrainedModel._check_and_adjust_attn_implementation`` then calls
+    ``modeling_flash_attention_utils.lazy_import_flash_attention(name)``, which searches for a flash-attn package or
+    hub kernel of that name and raises "Could not find the currently requested flash attention implementation".
+    That function does nothing when its module-level ``_loaded_implementation`` already equals the name (it sets it
+    itself before importing), so set it. The functions it caches are used only by transformers' own flash-attention
+    forward, which a model using ``flash_attn_hopper`` never calls; a later flash_attention_2/3 model reloads its own.
+    Because that cache holds one name, building a flash_attention_2/3 model in the same process undoes this: call
+    ``register()`` again before building the next flash_attn_hopper model.
+    """
+    try:
+        from transformers import modeling_flash_attention_utils as fa_utils
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:  # pragma: no cover - other transformers layouts
+        return
+    if not is_flash_attention_requested(requested_attention_implementation=ATTN_IMPLEMENTATION):
+        return
+    if hasattr(fa_utils, "_loaded_implementation"):
+        fa_utils._loaded_implementation = ATTN_IMPLEMENTATION
+
+
+def register():
+    """Registers ``flash_attn_hopper`` in transformers' attention and mask registries; idempotent.
+
+    After it, ``attn_implementation="flash_attn_hopper"`` is accepted by ``from_pretrained``, ``from_config`` and
+    ``set_attn_implementation`` of every model that dispatches through ``AttentionInterface`` (Llama, Mistral, Qwen2,
+    ...). Registration is global to the process (transformers' class-level mappings). Call it again before building a
+    model if the process has built a flash_attention_2/3 model since (see ``_skip_flash_kernel_lookup``).
+
+    Returns:
+        the name, ``"flash_attn_hopper"``.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, flash_attn_hopper_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attn_hopper_mask)
+    _skip_flash_kernel_lookup()
+    return ATTN_IMPLEMENTATION
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "register", "flash_attn_hopper_attention_forward", "flash_attn_hopper_mask"]

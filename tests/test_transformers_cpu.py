@@ -1,0 +1,403 @@
+"""The transformers integration on CPU: registration, argument checks, and the plumbing of a real Llama model.
+
+No GPU is needed. The argument checks run before the kernel is called: ``flash_attn_hopper.interface.attention`` is
+replaced by a spy that fails the test if reached. The end-to-end tests replace it with the float32 reference
+(``flash_attn_hopper.testing.attention_ref``, same layout and bottom-right causal convention), so a Llama model built
+with ``attn_implementation="flash_attn_hopper"`` must give SDPA's logits and gradients: that checks the layout change,
+the scale, the causal flag and the mask handling without the kernel (the GPU test checks the kernel itself).
+
+Tests that need transformers skip, with the reason, when it is not installed (CI installs it; see .ci/run)."""
+
+import copy
+import importlib
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from flash_attn_hopper import interface
+from flash_attn_hopper.testing import attention_ref
+
+try:
+    importlib.import_module("transformers")
+    HAVE_TRANSFORMERS = True
+except ImportError:
+    HAVE_TRANSFORMERS = False
+requires_transformers = pytest.mark.skipif(
+    not HAVE_TRANSFORMERS, reason="transformers is not installed (pip install transformers): integration not tested"
+)
+
+NAME = "flash_attn_hopper"
+
+
+def test_import_does_not_need_transformers():
+    """``import flash_attn_hopper`` (and its ``integrations`` package) work with transformers unimportable; the
+    transformers integration then fails with an ImportError that says what to install."""
+    code = (
+        "import sys\n"
+        "sys.modules['transformers'] = None  # makes `import transformers` raise ImportError\n"
+        "import flash_attn_hopper, flash_attn_hopper.integrations\n"
+        "try:\n"
+        "    import flash_attn_hopper.integrations.transformers\n"
+        "except ImportError as e:\n"
+        "    assert 'pip install transformers' in str(e), e\n"
+        "    print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def fah_tf():
+    import flash_attn_hopper.integrations.transformers as module
+
+    module.register()
+    return module
+
+
+class _KernelReached(Exception):
+    pass
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Replaces the kernel entry point; records its calls. With ``spy.fail`` set (the default) a call fails."""
+    calls = []
+
+    def fake_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal))
+        if fake_attention.fail:
+            raise _KernelReached("the kernel entry point was reached")
+        return torch.zeros_like(q)
+
+    fake_attention.fail = True
+    fake_attention.calls = calls
+    monkeypatch.setattr(interface, "attention", fake_attention)
+    return fake_attention
+
+
+@pytest.fixture
+def allow_float32(monkeypatch):
+    """Lets float32 models through the integration's dtype check, for a spy or the float32 reference in place of the
+    kernel (which needs fp16/bf16): the model tests then compare exactly against float32 SDPA."""
+    monkeypatch.setattr(interface, "SUPPORTED_DTYPES", interface.SUPPORTED_DTYPES + (torch.float32,))
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch, allow_float32):
+    """Replaces the kernel entry point with the differentiable float32 reference of the same contract."""
+
+    def ref_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+        assert q.dtype == k.dtype == v.dtype
+        out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        return out.to(q.dtype)
+
+    monkeypatch.setattr(interface, "attention", ref_attention)
+
+
+def _module(is_causal=True):
+    return types.SimpleNamespace(is_causal=is_causal, layer_idx=0)
+
+
+def _qkv(batch=2, heads=4, heads_k=None, seqlen_q=8, seqlen_k=None, head_dim=64, dtype=torch.bfloat16):
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    heads_k = heads if heads_k is None else heads_k
+    q = torch.randn(batch, heads, seqlen_q, head_dim, dtype=dtype)
+    k = torch.randn(batch, heads_k, seqlen_k, head_dim, dtype=dtype)
+    v = torch.randn(batch, heads_k, seqlen_k, head_dim, dtype=dtype)
+    return q, k, v
+
+
+def _tiny_config(**overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=128,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def _model(config, attn_implementation, seed=0):
+    """A float32 model of a copy of ``config``: from_config stores attn_implementation in the config object it is
+    given, so two models built from one config object would share the last implementation chosen."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=attn_implementation, dtype=torch.float32
+    )
+    assert model.config._attn_implementation == attn_implementation
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------- registration
+
+
+@requires_transformers
+def test_register_is_idempotent(fah_tf):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    n_attn, n_mask = len(AttentionInterface._global_mapping), len(AttentionMaskInterface._global_mapping)
+    assert fah_tf.register() == NAME
+    assert fah_tf.register() == NAME
+    assert len(AttentionInterface._global_mapping) == n_attn
+    assert len(AttentionMaskInterface._global_mapping) == n_mask
+    assert ALL_ATTENTION_FUNCTIONS[NAME] is fah_tf.flash_attn_hopper_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS[NAME] is fah_tf.flash_attn_hopper_mask
+    assert NAME in ALL_ATTENTION_FUNCTIONS.valid_keys()
+
+
+@requires_transformers
+def test_from_config_accepts_the_name(fah_tf):
+    model = _model(_tiny_config(), NAME)
+    assert model.config._attn_implementation == NAME
+    for layer in model.model.layers:
+        assert layer.self_attn.config._attn_implementation == NAME
+
+
+@requires_transformers
+def test_from_config_after_another_flash_lookup(fah_tf):
+    """transformers looks up a flash-attn kernel for any name holding "flash"; building a flash_attention_2 model
+    resets the state that register() sets. register() again makes the name work again."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    fa_utils._loaded_implementation = "flash_attention_2"  # what building a flash_attention_2 model leaves
+    fah_tf.register()
+    assert _model(_tiny_config(), NAME).config._attn_implementation == NAME
+
+
+# ---------------------------------------------------------------------------------------- argument checks, no kernel
+
+
+@requires_transformers
+def test_dropout_rejected(fah_tf, spy):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"dropout=0\.1.*attention_dropout"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, dropout=0.1)
+    assert not spy.calls
+
+
+@requires_transformers
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.ones(2, 8, dtype=torch.bool),  # 2D padding mask that was not dropped
+        torch.zeros(2, 1, 8, 8),  # 4D additive mask
+        torch.ones(2, 1, 8, 8, dtype=torch.bool),  # 4D boolean mask
+    ],
+    ids=["2d", "4d-float", "4d-bool"],
+)
+def test_mask_rejected(fah_tf, spy, mask):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"attention_mask of shape .*padding"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, mask)
+    assert not spy.calls
+
+
+@requires_transformers
+def test_gqa_rejected_naming_nheads_k(fah_tf, spy):
+    q, k, v = _qkv(heads=4, heads_k=2)
+    with pytest.raises(NotImplementedError, match=r"nheads_k=2 .*nheads=4"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None)
+    assert not spy.calls
+
+
+@requires_transformers
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(sliding_window=4), "sliding_window"),
+        (dict(softcap=30.0), "softcap"),
+        (dict(s_aux=torch.zeros(4)), "s_aux"),
+        (dict(position_bias=torch.zeros(1, 4, 8, 8)), "position_bias"),
+        (dict(cu_seq_lens_q=torch.tensor([0, 8, 16])), "cu_seq_lens_q.*variable-length"),
+        (dict(max_length_k=8), "max_length_k.*variable-length"),
+    ],
+    ids=["sliding_window", "softcap", "s_aux", "position_bias", "cu_seq_lens_q", "max_length_k"],
+)
+def test_unsupported_features_rejected(fah_tf, spy, kwargs, pattern):
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=pattern):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, **kwargs)
+    assert not spy.calls
+
+
+@requires_transformers
+def test_float32_rejected_outside_autocast(fah_tf, spy):
+    q, k, v = _qkv(dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"query has dtype torch\.float32.*autocast"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None)
+    assert not spy.calls
+
+
+# ------------------------------------------------------------------------------------- what reaches the kernel entry
+
+
+@requires_transformers
+def test_layout_scale_and_causal_reach_the_kernel(fah_tf, spy):
+    spy.fail = False
+    q, k, v = _qkv(seqlen_q=5, seqlen_k=9)
+    out, weights = fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=True), q, k, v, None, scaling=0.3)
+    assert weights is None
+    assert out.shape == (2, 5, 4, 64)
+    call = spy.calls[-1]
+    for name, src in (("q", q), ("k", k), ("v", v)):
+        t = call[name]
+        assert t.shape == (src.shape[0], src.shape[2], src.shape[1], src.shape[3]), name
+        assert torch.equal(t, src.transpose(1, 2)), name
+        assert t.data_ptr() == src.data_ptr(), f"{name} was copied; a transposed view is enough"
+    assert call["softmax_scale"] == 0.3
+    assert call["causal"] is True
+
+    # is_causal given by the caller wins over module.is_causal; a module without the attribute means causal.
+    fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=True), q, k, v, None, is_causal=False)
+    assert spy.calls[-1]["causal"] is False
+    fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=False), q, k, v, None)
+    assert spy.calls[-1]["causal"] is False
+    fah_tf.flash_attn_hopper_attention_forward(types.SimpleNamespace(), q, k, v, None, scaling=None)
+    assert spy.calls[-1]["causal"] is True and spy.calls[-1]["softmax_scale"] is None
+
+
+@requires_transformers
+def test_autocast_casts_to_the_autocast_dtype(fah_tf, spy):
+    """With float32 weights under autocast, Llama hands over float32 query/key (rotary embedding in float32) and a
+    bfloat16 value; all three must reach the kernel in the autocast dtype."""
+    spy.fail = False
+    q, k, _ = _qkv(dtype=torch.float32)
+    v = torch.randn_like(k).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None)
+    call = spy.calls[-1]
+    assert call["q"].dtype == call["k"].dtype == call["v"].dtype == torch.bfloat16
+    assert call["v"].data_ptr() == v.data_ptr()
+
+
+# ------------------------------------------------------------------------------------- a real model, mask handling
+
+
+@requires_transformers
+def test_model_padding_mask_raises(fah_tf, spy, allow_float32):
+    model = _model(_tiny_config(), NAME)
+    ids = torch.randint(0, 97, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :3] = 0  # left padding in the first sequence
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 16\).*padding"):
+        model(input_ids=ids, attention_mask=mask)
+    assert not spy.calls
+
+
+@requires_transformers
+def test_model_all_ones_mask_is_dropped(fah_tf, spy, allow_float32):
+    """An all-ones 2D mask (a tokenizer's output without padding) reaches the kernel as plain causal attention."""
+    spy.fail = False
+    model = _model(_tiny_config(), NAME)
+    ids = torch.randint(0, 97, (2, 16))
+    model(input_ids=ids, attention_mask=torch.ones(2, 16, dtype=torch.long), use_cache=False)
+    assert len(spy.calls) == 2  # one per layer
+    assert all(call["causal"] is True for call in spy.calls)
+
+
+@requires_transformers
+def test_model_packed_position_ids_raise(fah_tf, spy, allow_float32):
+    model = _model(_tiny_config(), NAME)
+    ids = torch.randint(0, 97, (1, 16))
+    position_ids = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0)  # two packed sequences
+    with pytest.raises(ValueError, match="packed sequences"):
+        model(input_ids=ids, position_ids=position_ids, use_cache=False)
+    assert not spy.calls
+
+
+@requires_transformers
+def test_model_static_cache_raises(fah_tf, spy, allow_float32):
+    from transformers import StaticCache
+
+    config = _tiny_config()
+    model = _model(config, NAME)
+    ids = torch.randint(0, 97, (1, 8))
+    cache = StaticCache(config=config, max_cache_len=32)
+    with pytest.raises(ValueError, match="StaticCache"):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert not spy.calls
+
+
+@requires_transformers
+def test_model_dropout_raises(fah_tf, spy, allow_float32):
+    model = _model(_tiny_config(attention_dropout=0.1), NAME).train()
+    with pytest.raises(ValueError, match="attention_dropout"):
+        model(input_ids=torch.randint(0, 97, (1, 8)), use_cache=False)
+    model.eval()  # transformers passes dropout=0.0 in eval mode
+    spy.fail = False
+    model(input_ids=torch.randint(0, 97, (1, 8)), use_cache=False)
+    assert len(spy.calls) == 2
+
+
+@requires_transformers
+def test_model_gqa_raises(fah_tf, spy, allow_float32):
+    model = _model(_tiny_config(num_attention_heads=4, num_key_value_heads=2, hidden_size=256), NAME)
+    with pytest.raises(NotImplementedError, match="nheads_k=2"):
+        model(input_ids=torch.randint(0, 97, (1, 8)), use_cache=False)
+    assert not spy.calls
+
+
+# -------------------------------------------------------------------------- end to end with the reference attention
+
+
+def _same_weights(config):
+    ours = _model(config, NAME)
+    sdpa = _model(config, "sdpa", seed=1)
+    sdpa.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == NAME and sdpa.config._attn_implementation == "sdpa"
+    return ours, sdpa
+
+
+@requires_transformers
+def test_model_matches_sdpa_with_reference_kernel(fah_tf, reference_kernel):
+    """Logits, loss and every parameter gradient of a two-layer Llama equal SDPA's (float32, CPU)."""
+    ours, sdpa = _same_weights(_tiny_config())
+    ids = torch.randint(0, 97, (2, 33))
+    results = []
+    for model in (ours, sdpa):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        results.append((out.logits, out.loss, {n: p.grad for n, p in model.named_parameters()}))
+    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = results
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@requires_transformers
+def test_model_cached_decoding_matches_sdpa_with_reference_kernel(fah_tf, reference_kernel):
+    """Prefill, a chunk of 5 tokens against a cache (seqlen_q 5 < seqlen_k 17: bottom-right causal) and one-token
+    decoding steps give the logits of one full forward pass."""
+    from transformers import DynamicCache
+
+    config = _tiny_config()
+    ours, sdpa = _same_weights(config)
+    ours.eval()
+    sdpa.eval()
+    ids = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        full = sdpa(input_ids=ids, use_cache=False).logits
+        cache = DynamicCache(config=config)
+        pieces = [ours(input_ids=ids[:, :12], past_key_values=cache, use_cache=True).logits]
+        pieces.append(ours(input_ids=ids[:, 12:17], past_key_values=cache, use_cache=True).logits)
+        for t in range(17, 20):
+            pieces.append(ours(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-5)
