@@ -89,7 +89,7 @@ def _extension():
         "-lineinfo",
         "--expt-relaxed-constexpr",
         "--expt-extended-lambda",
-        "-DCUTLASS_ENABLE_GDC_FOR_SM90",
+        # WGMMA tile widths that are not powers of two (N = 80 for head_dim 256's kBlockN).
         "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
         "-Xptxas=-v" if os.environ.get("FAH_PTXAS_VERBOSE") else "",
         "--resource-usage" if os.environ.get("FAH_PTXAS_VERBOSE") else "",

@@ -9,7 +9,7 @@ from . import _ops
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-# TMA reads global memory with 16-byte aligned base and strides.
+_MAX_GRID_YZ = 65535  # batch and nheads index grid dimensions y and z
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -35,14 +35,22 @@ def _check_tensor_args(q, k, v):
             raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {batch}")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape[1]} and v {v.shape[1]}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[2] != nheads:
-            raise ValueError(
-                f"{name} has {t.shape[2]} heads but q has {nheads}; this version needs nheads_k == nheads"
+    nheads_k = k.shape[2]
+    if v.shape[2] != nheads_k:
+        raise ValueError(f"v has {v.shape[2]} heads but k has {nheads_k}; k and v must have the same nheads_k")
+    if nheads_k != nheads:
+        if nheads_k > 0 and nheads % nheads_k == 0:
+            raise NotImplementedError(
+                f"k has {nheads_k} heads for q's {nheads}: grouped-query / multi-query attention (nheads_k < nheads) "
+                "is not implemented yet; repeat k and v to nheads heads meanwhile"
             )
+        raise ValueError(f"k has {nheads_k} heads but q has {nheads}; nheads must be a multiple of nheads_k")
     for name, t in (("k", k), ("v", v)):
         if t.shape[3] != head_dim:
             raise ValueError(f"{name} has head_dim {t.shape[3]} but q has head_dim {head_dim}")
+    for what, value in (("batch", batch), ("nheads", nheads)):
+        if value > _MAX_GRID_YZ:
+            raise ValueError(f"q has {what} {value}; at most {_MAX_GRID_YZ} is supported (CUDA grid limit)")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q has head_dim {head_dim}; supported head_dim values are {list(SUPPORTED_HEAD_DIMS)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -127,8 +135,10 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
     Raises:
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
             softmax_scale is not a real number.
+        NotImplementedError: nheads_k < nheads with nheads a multiple of nheads_k (GQA/MQA, not built yet).
         ValueError: rank is not 4; batch, nheads or head_dim differ between q, k, v; seqlen_k differs between
-            k and v; head_dim is not 64/128/256 (or not in this build); the last dimension's stride is not 1;
+            k and v; batch or nheads above 65535; head_dim is not 64/128/256 (or not in this build); the last
+            dimension's stride is not 1;
             a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;
             softmax_scale is not finite and positive.
         RuntimeError: the compiled extension is not available.

@@ -321,3 +321,17 @@ def test_non_default_stream():
         t.record_stream(side)
     assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
     _check(out, lse, q, k, v, causal=True, name="side stream")
+
+
+def test_nan_input_row_stays_nan():
+    """A NaN in one query row makes that row's output and LSE NaN; it must not read as a row that saw no key
+    (LSE -inf, output 0), which LSE-based merging would silently drop. Other rows are unaffected."""
+    head_dim = 128
+    dtype = _built_dtype(head_dim)
+    q, k, v = _qkv(1, 64, 64, 1, head_dim, dtype)
+    q[0, 5, 0, 0] = float("nan")
+    out, lse = attention(q, k, v, return_lse=True)
+    assert torch.isnan(lse[0, 0, 5]) and torch.isnan(out[0, 5, 0]).all()
+    others = torch.ones(64, dtype=torch.bool, device=q.device)
+    others[5] = False
+    assert torch.isfinite(lse[0, 0, others]).all() and torch.isfinite(out[0, others]).all()

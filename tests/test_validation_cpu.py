@@ -115,13 +115,23 @@ def test_seqlen_k_mismatch(name):
         attention(q, k, v)
 
 
-@pytest.mark.parametrize("name", ["k", "v"])
-def test_nheads_mismatch(name):
+def test_nheads_k_not_dividing_nheads():
+    q, k, v = _qkv()  # H = 3 query heads
+    k2, v2 = _shape_with(k, 2, 2), _shape_with(v, 2, 2)
+    with pytest.raises(ValueError, match=rf"^k has 2 heads but q has {H}; nheads must be a multiple of nheads_k"):
+        attention(q, k2, v2)
+
+
+def test_nheads_k_differs_between_k_and_v():
     q, k, v = _qkv()
-    bad = _shape_with({"k": k, "v": v}[name], 2, 1)
-    q, k, v = _replace(name, bad, q, k, v)
-    with pytest.raises(ValueError, match=rf"^{name} has 1 heads but q has {H}"):
-        attention(q, k, v)
+    with pytest.raises(ValueError, match=rf"^v has 1 heads but k has {H}"):
+        attention(q, k, _shape_with(v, 2, 1))
+
+
+def test_gqa_not_implemented_yet():
+    q, k, v = _qkv()  # H = 3 query heads; 1 KV head is valid MQA, not built yet
+    with pytest.raises(NotImplementedError, match=rf"^k has 1 heads for q's {H}: grouped-query"):
+        attention(q, _shape_with(k, 2, 1), _shape_with(v, 2, 1))
 
 
 @pytest.mark.parametrize("name", ["k", "v"])
@@ -323,3 +333,12 @@ def test_failed_call_leaves_inputs_unchanged(case):
     for t, (clone, shape, stride, dtype, ptr) in zip((q, k, v), before):
         assert t.shape == shape and t.stride() == stride and t.dtype == dtype and t.data_ptr() == ptr
         assert torch.equal(t, clone)
+
+
+@pytest.mark.parametrize("what,dim", [("batch", 0), ("nheads", 2)])
+def test_batch_or_nheads_beyond_grid_limit(what, dim):
+    shape = [1, 4, 1, D]
+    shape[dim] = 65536
+    t = torch.randn(1, 4, 1, D).half().expand(*shape)  # no memory for the large dim
+    with pytest.raises(ValueError, match=rf"^q has {what} 65536; at most 65535 is supported"):
+        attention(t, t, t)

@@ -179,6 +179,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   check_qkv(dout_in, "dout", q_in);
   TORCH_CHECK(out_in.sizes() == q_in.sizes() && dout_in.sizes() == q_in.sizes(),
               "out and dout must have the shape of q");
+  TORCH_CHECK(k_in.size(1) == v_in.size(1), "k and v must have the same seqlen_k");
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
+  int const seqlen_k = k_in.size(1);
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q_in.device() && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads &&
+                  lse.size(2) == seqlen_q,
+              "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
+  TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
+  auto* run = select_kernels(head_dim, q_in.scalar_type()).bwd;
+  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q_in.scalar_type(), " is not in this build (",
+              build_config(), ")");
+
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
   if (q_in.numel() == 0 || k_in.numel() == 0) {
@@ -187,17 +200,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   }
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
   at::Tensor out = tma_ready(out_in), dout = tma_ready(dout_in);
-  TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
-  int const batch = q.size(0), seqlen_q = q.size(1), nheads = q.size(2), head_dim = q.size(3);
-  int const seqlen_k = k.size(1);
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-                  lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads && lse.size(2) == seqlen_q,
-              "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
-  TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
-  auto* run = select_kernels(head_dim, q.scalar_type()).bwd;
-  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q.scalar_type(), " is not in this build (",
-              build_config(), ")");
 
   int const seqlen_q_rounded = (seqlen_q + flash::kBwdBlockM - 1) / flash::kBwdBlockM * flash::kBwdBlockM;
   at::Tensor dq = at::empty(q.sizes(), q.options());

@@ -35,7 +35,7 @@ struct FwdTileConfig<256> {
 
 // Backward: kBlockM query rows per iteration (one 64-row WGMMA tile), kBlockN keys resident per CTA.
 // Shared memory = (2 * kStages * kBlockM + 2 * kBlockN) * kHeadDim * 2 + 2 * kBlockM * kBlockN * 2 bytes:
-//   hdim  64: kBlockN 128 -> 128 KiB;  hdim 128: kBlockN 128 -> 160 KiB;
+//   hdim  64: kBlockN 128 -> 96 KiB;  hdim 128: kBlockN 128 -> 160 KiB;
 //   hdim 256: kBlockN 64 -> 208 KiB, and dK/dV split head_dim across the warpgroups (64 keys x 128 columns of
 //   each of dK and dV per warpgroup = 128 accumulator registers per thread; splitting keys would need 256).
 // Registers per consumer thread, hdim 128: dK + dV 128, S + dP 64 (live together), then dQ tile 32.

@@ -212,7 +212,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
                                  int m_block_min, int m_block_max) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  // Named barrier 0 is __syncthreads; the consumers' own barrier takes id 1.
+  // The consumers' own named barrier: user id 1 (CUTLASS offsets user ids past its reserved ones).
   auto consumers_sync = [] { cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1); };
 
   typename Traits::TiledMmaSdP tiled_mma_sdp;

@@ -18,7 +18,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim>;
   using Traits = BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>;
   static_assert(Cfg::kBlockM == kBwdBlockM, "dQ accumulator rows are rounded to kBwdBlockM by the host");
-  constexpr int64_t k16 = 16 / sizeof(Element);
+  if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
 
   {
     constexpr int kWarps = 8;
@@ -28,16 +28,13 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
     if (err != cudaSuccess) { return err; }
   }
 
-  auto make_gmem = [&](void const* ptr, int seqlen, int64_t row, int64_t head, int64_t batch) {
-    auto shape = make_shape(int32_t(seqlen), int32_t(kHeadDim), int32_t(p.nheads), int32_t(p.batch));
-    auto stride = make_stride(tma_stride(row, seqlen, k16), _1{}, tma_stride(head, p.nheads, k16),
-                              tma_stride(batch, p.batch, k16));
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_layout(shape, stride));
+  auto gmem = [&](void const* ptr, int seqlen, int64_t row, int64_t head, int64_t batch) {
+    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, p.nheads, p.batch, row, head, batch);
   };
-  auto mQ = make_gmem(p.q_ptr, p.seqlen_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mdO = make_gmem(p.do_ptr, p.seqlen_q, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
-  auto mK = make_gmem(p.k_ptr, p.seqlen_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = make_gmem(p.v_ptr, p.seqlen_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mQ = gmem(p.q_ptr, p.seqlen_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mdO = gmem(p.do_ptr, p.seqlen_q, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
+  auto mK = gmem(p.k_ptr, p.seqlen_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = gmem(p.v_ptr, p.seqlen_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   auto kv_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});

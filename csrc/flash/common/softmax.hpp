@@ -75,7 +75,7 @@ struct OnlineSoftmax {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float const l = quad_sum(row_sum[r]);
-      bool const empty = l == 0.f || l != l;
+      bool const empty = l == 0.f;  // a NaN sum (NaN input) stays NaN in O and LSE rather than reading as "no key"
       inv_sum[r] = empty ? 0.f : 1.f / l;
       lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(l);
     }

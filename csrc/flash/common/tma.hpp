@@ -3,12 +3,26 @@
 
 #include <cstdint>
 
+#include <cute/tensor.hpp>
+
 namespace flash {
 
 // TMA wants every non-unit-extent stride a nonzero multiple of 16 bytes; a size-1 mode's stride is never used, so
 // give it a harmless legal value instead of whatever the caller's view carried.
 inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t elems_per_16b) {
   return extent == 1 ? elems_per_16b : stride;
+}
+
+// A (batch, seqlen, nheads, head_dim) tensor with unit head_dim stride, viewed as TMA descriptors take it:
+// (seqlen, head_dim, nheads, batch).
+template <class Element, int kHeadDim>
+auto make_qkv_gmem(void const* ptr, int seqlen, int nheads, int batch, int64_t row_stride, int64_t head_stride,
+                   int64_t batch_stride) {
+  constexpr int64_t k16 = 16 / sizeof(Element);
+  auto shape = cute::make_shape(int32_t(seqlen), int32_t(kHeadDim), int32_t(nheads), int32_t(batch));
+  auto stride = cute::make_stride(tma_stride(row_stride, seqlen, k16), cute::_1{},
+                                  tma_stride(head_stride, nheads, k16), tma_stride(batch_stride, batch, k16));
+  return cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(ptr)), cute::make_layout(shape, stride));
 }
 
 }  // namespace flash

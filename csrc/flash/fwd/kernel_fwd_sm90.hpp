@@ -171,7 +171,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // Ping-pong between the two consumer warpgroups (FlashAttention-3 paper §3.1): a warpgroup issues its GEMMs only
   // in its turn and hands the turn over right after, so one warpgroup's softmax runs under the other's GEMMs.
-  // Named barrier 2 + w is warpgroup w's turn; the other warpgroup arrives on it.
+  // Named barrier (user id) 2 + w is warpgroup w's turn; the other warpgroup arrives on it.
   int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
   bool const pingpong = params.pingpong && n_block_max > n_block_min;
   auto wait_turn = [&] {

@@ -16,17 +16,13 @@ template <class Element, int kHeadDim>
 cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   using Cfg = FwdTileConfig<kHeadDim>;
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap>;
-  constexpr int64_t k16 = 16 / sizeof(Element);
-
-  auto make_gmem = [&](void const* ptr, int seqlen, int64_t row, int64_t head, int64_t batch) {
-    auto shape = make_shape(int32_t(seqlen), int32_t(kHeadDim), int32_t(p.nheads), int32_t(p.batch));
-    auto stride = make_stride(tma_stride(row, seqlen, k16), _1{}, tma_stride(head, p.nheads, k16),
-                              tma_stride(batch, p.batch, k16));
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_layout(shape, stride));
+  if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
+  auto gmem = [&](void const* ptr, int seqlen, int64_t row, int64_t head, int64_t batch) {
+    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, p.nheads, p.batch, row, head, batch);
   };
-  auto mQ = make_gmem(p.q_ptr, p.seqlen_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mK = make_gmem(p.k_ptr, p.seqlen_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = make_gmem(p.v_ptr, p.seqlen_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mQ = gmem(p.q_ptr, p.seqlen_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mK = gmem(p.k_ptr, p.seqlen_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = gmem(p.v_ptr, p.seqlen_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 
   typename Traits::Params kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{},
@@ -62,7 +58,7 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
 
 }  // namespace flash
 
-// One translation unit per (head_dim, dtype) defines the entry point declared in csrc/api/dispatch.h.
+// One translation unit per (head_dim, dtype) defines the entry point declared in csrc/flash/dispatch.hpp.
 #define FLASH_FWD_INSTANTIATE(HDIM, DTYPE_NAME, ELEMENT)                                               \
   namespace flash {                                                                                    \
   cudaError_t run_fwd_hdim##HDIM##_##DTYPE_NAME(FwdParams const& p, cudaStream_t stream) {             \
