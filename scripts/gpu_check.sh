@@ -13,7 +13,11 @@
 #   sass    cuobjdump --dump-sass of the .so: HGMMA count per kernel (fails if a forward kernel has none),
 #           and registers / stack / spills per kernel from the ptxas report in the build log (spills flagged).
 #   tests   python3 -m pytest tests -q -rs --durations=5 (with junit xml), PYTHONPATH = repo root
-#   bench   python3 benchmarks/bench_attention.py $BENCH_ARGS (forward and backward)
+#   bench   python3 -m flash_attn_hopper.benchmark $BENCH_ARGS (forward and backward; the grid of
+#           shared/baselines.md plus feature points, skipped with the reason until the features exist), with
+#           --plots/--summary when matplotlib imports and --compare $BENCH_BASELINE when set (exit 1 = regression).
+#           $OUT gets bench_attention.json and bench_extra.tar.gz (bench.log, PNGs, summary.md); bench.log stays
+#           in $OUT alone only when the run is cut short.
 # Then copies logs, JSON and the kernel report into $OUT if set, and prints a short summary LAST.
 #
 # Environment:
@@ -27,6 +31,8 @@
 #   FAH_SKIP_TESTS=1, FAH_SKIP_BENCH=1              skip a stage
 #   PYTEST_ARGS          extra pytest arguments (e.g. "-x -k causal")
 #   BENCH_ARGS           benchmark arguments (e.g. "--head-dims 128 --seqlens 4096,16384 --causal no")
+#   BENCH_BASELINE       a previous bench_attention.json: compare with it (--compare), fail the stage on regression
+#   BENCH_THRESHOLD      allowed slowdown per point for BENCH_BASELINE (default 0.05)
 #   FAH_HGMMA_KERNEL_REGEX / FAH_HGMMA_EXCLUDE_REGEX  which kernels must hold HGMMA (default: the fwd and bwd main kernels)
 #   FAH_FAIL_ON_SPILL=1  make a spilling kernel fail the sass stage (default: flagged only)
 #   PYTHON               interpreter (default python3)
@@ -243,13 +249,30 @@ if [[ ${FAH_SKIP_BENCH:-0} == 1 ]]; then
 elif [[ -z $SO ]]; then
   STATUS[bench]="skipped"; DETAIL[bench]="no extension"
 else
-  rm -f "$WORK/bench_attention.json"
+  rm -rf "$WORK/bench_attention.json" "$WORK/bench"
+  mkdir -p "$WORK/bench"
+  EXTRA_ARGS=()
+  if "$PY" -c 'import matplotlib' 2>/dev/null; then
+    EXTRA_ARGS+=(--plots "$WORK/bench" --summary "$WORK/bench/summary.md")
+  else
+    echo "matplotlib not importable: no plots" >&2
+    EXTRA_ARGS+=(--summary "$WORK/bench/summary.md")
+  fi
+  if [[ -n ${BENCH_BASELINE:-} ]]; then
+    EXTRA_ARGS+=(--compare "$BENCH_BASELINE" --threshold "${BENCH_THRESHOLD:-0.05}")
+  fi
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-  "$PY" benchmarks/bench_attention.py ${BENCH_ARGS:-} --json "$WORK/bench_attention.json" 2>&1 | tee_log bench.log
+  "$PY" -m flash_attn_hopper.benchmark ${BENCH_ARGS:-} --json "$WORK/bench_attention.json" "${EXTRA_ARGS[@]}" 2>&1 \
+    | tee_log bench.log
   rc=${PIPESTATUS[0]}
   to_out "$WORK/bench_attention.json"
+  if [[ -n $OUT ]]; then  # one archive keeps $OUT at 8 files
+    cp -f "$WORK/bench.log" "$WORK/bench/bench.log"
+    if tar -czf "$OUT/bench_extra.tar.gz" -C "$WORK" bench; then rm -f "$OUT/bench.log"; fi
+  fi
   if [[ $rc == 0 ]]; then STATUS[bench]=ok; else STATUS[bench]=FAILED; fi
   DETAIL[bench]="exit $rc"
+  if [[ $rc == 1 && -n ${BENCH_BASELINE:-} ]]; then DETAIL[bench]="exit 1: slower than $BENCH_BASELINE (see compare:)"; fi
 fi
 echo "bench: ${STATUS[bench]} ${DETAIL[bench]}"
 
@@ -284,8 +307,9 @@ done
   if [[ -f $WORK/bench.log && ${STATUS[bench]} != skipped ]]; then
     echo
     grep -E '^# attention' "$WORK/bench.log" | head -n 1
-    grep -E '^\|' "$WORK/bench.log"
-    grep -E '^(! =|ours n/a|cuDNN n/a|FA2 n/a)' "$WORK/bench.log" | cut -c1-240
+    awk '/^\|/ {p = 1; print; next} p {exit}' "$WORK/bench.log"   # the first table (not the compare table)
+    grep -E '^(! =|ours n/a|cuDNN n/a|FA2 n/a|[a-z]+ skipped \(|SM clock)' "$WORK/bench.log" | cut -c1-240
+    grep -E '^compare: ' "$WORK/bench.log" | cut -c1-1200
   fi
   echo
   echo "total $(( $(date +%s) - T_START ))s; result: $([[ $FAILED == 0 ]] && echo PASS || echo FAIL)"

@@ -1,0 +1,472 @@
+"""CPU tests of the nightly benchmark's record logic (flash_attn_hopper/benchmark.py): compare with a baseline and
+its one re-measurement, missing points, plots, summary and history, on synthetic records written here. The GPU
+measurement is replaced by a fake runner (main's runner_factory seam), so the whole CLI flow runs without a GPU."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flash_attn_hopper import benchmark as nb
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_attention.py")
+OLD_RECORD = os.path.join(ROOT, "benchmarks", "results", "2026-11-29_h200_final.json")
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MPL = True
+except ImportError:
+    HAVE_MPL = False
+needs_mpl = pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed: the plot tests need it")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+HEAD_DIMS = (64, 128)
+SEQLENS = (1024, 4096)
+BASE_TFLOPS = {"ours": 500.0, "cudnn": 550.0, "fa2": 320.0}
+
+
+def _flops(hd, causal, seqlen, direction):
+    spec = {"feature": "dense", "head_dim": hd, "causal": causal, "seqlen": seqlen}
+    f = nb.point_flops(spec, max(1, 16384 // seqlen), 2048 // hd)
+    return int(nb.BWD_FLOPS_FACTOR * f) if direction == "bwd" else f
+
+
+def _part(flops, tflops):
+    part = nb._new_part(flops)
+    for name, t in tflops.items():
+        if t is None:
+            part["errors"][name] = "RuntimeError: unsupported here"
+            part["tflops"][name] = part["ms"][name] = None
+            continue
+        ms = flops / (t * 1e12) * 1e3
+        part["ms"][name] = ms
+        part["tflops"][name] = t
+        part["stats"][name] = {"median": ms, "p20": 0.99 * ms, "p80": 1.01 * ms, "min": 0.98 * ms, "max": 1.05 * ms,
+                               "n": 100}
+    for p in nb.PEERS:
+        if tflops.get("ours") and tflops.get(p):
+            part["ratio"][f"ours/{p}"] = tflops["ours"] / tflops[p]
+    part["check"] = {"maxdiff_vs_cudnn": 4e-3, "flag": False}
+    return part
+
+
+def _tflops_for(hd, causal, seqlen, direction, scale=1.0):
+    """Deterministic, point-dependent numbers; `scale` multiplies ours only."""
+    bump = 1.0 + 0.1 * (hd == 128) + 0.05 * (seqlen == 4096) - 0.2 * causal - 0.3 * (direction == "bwd")
+    return {n: t * bump * (scale if n == "ours" else 1.0) for n, t in BASE_TFLOPS.items()}
+
+
+def make_record(scale=1.0, gpu="NVIDIA H200", date="2026-12-01T02:00:00+00:00", commit="a" * 40, features=True):
+    results = []
+    for hd in HEAD_DIMS:
+        for causal in (False, True):
+            for s in SEQLENS:
+                rec = {"feature": "dense", "head_dim": hd, "causal": causal, "seqlen": s, "batch": 16384 // s,
+                       "nheads": 2048 // hd, "nheads_kv": 2048 // hd, "dtype": "bf16"}
+                for d in nb.DIRECTIONS:
+                    rec[d] = _part(_flops(hd, causal, s, d), _tflops_for(hd, causal, s, d, scale))
+                results.append(rec)
+    if features:
+        for causal in (False, True):
+            results.append({"feature": "gqa", "head_dim": 128, "causal": causal, "seqlen": 4096, "dtype": "bf16",
+                            "skipped": "not in flash_attn_hopper yet (GQA)"})
+    meta = {"schema": nb.SCHEMA, "date": date, "gpu": gpu, "driver": "580.1", "cuda": "13.0", "torch": "2.11.0",
+            "cudnn": 91900, "git_commit": commit, "git_dirty": False,
+            "sm_clock_before": {"sm_mhz": 1980, "max_sm_mhz": 1980}, "sm_clock_after": {"sm_mhz": 1965}}
+    return {"meta": meta, "config": {"dtype": "bf16"}, "elapsed_s": 12.0, "results": results}
+
+
+def _write(path, doc):
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _key(hd, causal, seqlen, d, feature="dense"):
+    return (feature, "bf16", hd, causal, seqlen, d)
+
+
+# ------------------------------------------------------------------------------------------------- compare logic
+
+
+def test_run_compared_with_itself_passes():
+    rec = make_record()
+    cmp = nb.compare_records(rec, copy.deepcopy(rec), 0.05)
+    assert not cmp["regressions"] and not cmp["missing_now"] and not cmp["missing_base"]
+    assert len(cmp["rows"]) == len(HEAD_DIMS) * 2 * len(SEQLENS) * 2  # skipped feature points are not compared
+    assert all(r["status"] == "ok" and abs(r["ratio"] - 1) < 1e-12 for r in cmp["rows"])
+    text = nb.format_comparison(cmp, "base.json")
+    assert text.splitlines()[-1].startswith("compare: PASS: 16 points")
+
+
+def test_baseline_ten_percent_faster_fails_and_names_points():
+    cur, base = make_record(), make_record(scale=1.1)
+    calls = []
+
+    def remeasure(keys):  # the re-measurement gives the same (slow) numbers
+        calls.append(list(keys))
+        return {k: _tflops_for(k[2], k[3], k[4], k[5])["ours"] for k in keys}
+
+    cmp = nb.compare_records(cur, base, 0.05, remeasure)
+    assert len(calls) == 1 and len(calls[0]) == 16  # every slower point re-measured, once
+    assert len(cmp["regressions"]) == 16 and cmp["remeasured"]
+    last = nb.format_comparison(cmp, "doctored.json").splitlines()[-1]
+    assert last.startswith("compare: FAIL: ours (implementation=ours) is slower than doctored.json by more than 5%")
+    assert "after one re-measurement" in last
+    for hd in HEAD_DIMS:
+        for causal in ("no", "yes"):
+            for s in SEQLENS:
+                for d in nb.DIRECTIONS:
+                    assert f"head_dim={hd} causal={causal} seqlen={s} {d} (" in last
+    assert "+10.0% time" in last
+
+
+def test_threshold_flag_decides():
+    cur, base = make_record(), make_record(scale=1.1)
+    assert not nb.compare_records(cur, base, 0.15)["regressions"]
+    assert len(nb.compare_records(cur, base, 0.05)["regressions"]) == 16
+    faster = nb.compare_records(make_record(scale=1.2), make_record(), 0.0)  # faster than the baseline: fine
+    assert not faster["regressions"]
+
+
+def test_remeasure_clears_noise_and_keeps_real_regressions():
+    cur, base = make_record(), make_record()
+    slow = [_key(128, False, 4096, "fwd"), _key(64, True, 1024, "bwd")]
+    for key in slow:  # the current run measured these 10% slow
+        rec = next(r for r in cur["results"] if nb.point_key(r) == key[:5])
+        part = rec[key[5]]
+        part["tflops"]["ours"] /= 1.1
+    seen = []
+
+    def remeasure(keys):
+        seen.extend(keys)
+        noise, real = slow
+        return {noise: _tflops_for(128, False, 4096, "fwd")["ours"],  # back to normal: noise
+                real: _tflops_for(64, True, 1024, "bwd")["ours"] / 1.1}  # still slow
+
+    cmp = nb.compare_records(cur, base, 0.05, remeasure)
+    assert sorted(seen) == sorted(slow)
+    assert [r["key"] for r in cmp["noise"]] == [slow[0]]
+    assert [r["key"] for r in cmp["regressions"]] == [slow[1]]
+    text = nb.format_comparison(cmp)
+    assert "ok on re-measure" in text and "SLOWER" in text
+    last = text.splitlines()[-1]
+    assert "head_dim=64 causal=yes seqlen=1024 bwd" in last and "head_dim=128 causal=no seqlen=4096" not in last
+
+
+def test_remeasure_returning_nothing_keeps_the_regression():
+    cmp = nb.compare_records(make_record(), make_record(scale=1.1), 0.05, lambda keys: {})
+    assert len(cmp["regressions"]) == 16
+
+
+def test_missing_points_are_reported_not_failed():
+    cur, base = make_record(), make_record()
+    cur["results"] = [r for r in cur["results"] if not (r.get("head_dim") == 64 and r["seqlen"] == 1024)]
+    extra = copy.deepcopy(cur["results"][0])
+    extra["seqlen"] = 16384
+    cur["results"].append(extra)  # new point: no baseline
+    broken = next(r for r in cur["results"] if nb.point_key(r) == _key(128, True, 4096, "fwd")[:5])
+    broken["bwd"]["tflops"]["ours"] = None
+    broken["bwd"]["errors"]["ours"] = "RuntimeError: kernel launch failed"
+    cmp = nb.compare_records(cur, base, 0.05)
+    assert not cmp["regressions"]
+    missing_now = dict(cmp["missing_now"])
+    assert set(missing_now) == {_key(64, c, 1024, d) for c in (False, True) for d in nb.DIRECTIONS} | {
+        _key(128, True, 4096, "bwd")
+    }
+    assert missing_now[_key(64, False, 1024, "fwd")] == "not in the record"
+    assert "kernel launch failed" in missing_now[_key(128, True, 4096, "bwd")]
+    assert {k for k, _ in cmp["missing_base"]} == {_key(64, False, 16384, d) for d in nb.DIRECTIONS}
+    text = nb.format_comparison(cmp)
+    assert "missing in this run (5 points, reported, not failed)" in text
+    assert "missing in the baseline (2 points, reported, not failed)" in text
+    assert text.splitlines()[-1].startswith("compare: PASS")
+
+
+def test_feature_measured_now_but_skipped_in_baseline_is_new():
+    cur, base = make_record(), make_record()
+    gqa = next(r for r in cur["results"] if r.get("feature") == "gqa" and not r["causal"])
+    gqa.pop("skipped")
+    for d in nb.DIRECTIONS:
+        gqa[d] = _part(1e12, {"ours": 400.0, "cudnn": 420.0, "fa2": None})
+    cmp = nb.compare_records(cur, base, 0.05)
+    reasons = dict(cmp["missing_base"])
+    assert reasons[_key(128, False, 4096, "fwd", "gqa")].startswith("skipped: not in flash_attn_hopper yet")
+
+
+def test_gpu_mismatch_is_noted():
+    cmp = nb.compare_records(make_record(gpu="NVIDIA H100 80GB HBM3"), make_record(), 0.05)
+    assert any("H100" in n and "H200" in n for n in cmp["notes"])
+
+
+def test_old_schema_record_compares_with_itself():
+    """The committed record of benchmarks/bench_attention.py before the nightly (no feature, no stats)."""
+    old = nb.load_record(OLD_RECORD)
+    cmp = nb.compare_records(old, copy.deepcopy(old), 0.05)
+    assert len(cmp["rows"]) == 36 and not cmp["regressions"]
+    assert nb.format_table(old["results"]).splitlines()[0].startswith("| head_dim | causal | seqlen |")
+
+
+def test_summarize_times():
+    st = nb.summarize_times([5, 1, 4, 2, 3])
+    assert st == {"median": 3.0, "p20": 1.8, "p80": 4.2, "min": 1.0, "max": 5.0, "n": 5} or (
+        abs(st["p20"] - 1.8) < 1e-12 and abs(st["p80"] - 4.2) < 1e-12 and st["median"] == 3.0
+    )
+    assert nb.summarize_times([7.0])["p80"] == 7.0
+    with pytest.raises(ValueError):
+        nb.summarize_times([])
+
+
+def test_grid_has_feature_points_and_window_flops():
+    args = nb.parse_args(["--json", "x.json"])
+    specs = nb.grid_specs(args)
+    dense = [s for s in specs if s["feature"] == "dense"]
+    assert len(dense) == 3 * 2 * 6
+    for f in ("gqa", "varlen", "window", "softcap"):
+        fs = [s for s in specs if s["feature"] == f]
+        assert {s["head_dim"] for s in fs} == {128} and {s["seqlen"] for s in fs} == {1024, 4096, 16384}
+        assert len(fs) == 6
+    assert nb.parse_args(["--features", "dense", "--json", "x"]).features == ["dense"]
+    assert nb.window_pairs(4, 1, 0) == 4 + 3 and nb.window_pairs(4, 10, 10) == 16
+    causal = {"feature": "window", "head_dim": 64, "causal": True, "seqlen": 4}
+    assert nb.point_flops(causal, 1, 1) == 4 * 64 * 10  # WINDOW >= seqlen: the whole causal triangle
+
+
+def test_feature_support_reports_reasons():
+    class NoFeatures:
+        @staticmethod
+        def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+            pass
+
+    class WithWindow:
+        @staticmethod
+        def attention(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0):
+            pass
+
+    assert nb.feature_support(NoFeatures, "dense") is None
+    for f in ("window", "softcap", "varlen"):
+        assert nb.feature_support(NoFeatures, f).startswith("not in flash_attn_hopper yet")
+    assert nb.feature_support(WithWindow, "window") is None and nb.feature_support(WithWindow, "softcap") is None
+    import flash_attn_hopper
+
+    reason = nb.feature_support(flash_attn_hopper, "gqa")  # today's package raises NotImplementedError for GQA
+    assert reason is None or reason.startswith("not in flash_attn_hopper yet")
+
+
+def test_gpu_clocks_tolerates_missing_nvidia_smi(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert nb.gpu_clocks() is None and nb._driver_version() is None
+
+
+def test_progress_without_bar(capsys):
+    p = nb.Progress(2, enabled=False)
+    p.write("[1/2] point")
+    p.update("x")
+    p.close()
+    assert "[1/2] point" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ the CLI with a fake runner
+
+
+class FakeRunner:
+    """Stands in for GpuRunner: numbers from _tflops_for(scale), re-measure numbers from remeasure_scale."""
+
+    instances = []
+
+    def __init__(self, args, scale=1.0, remeasure_scale=None):
+        self.args, self.scale, self.remeasure_scale = args, scale, remeasure_scale
+        self.calls = []
+        FakeRunner.instances.append(self)
+
+    def meta(self):
+        return {"schema": nb.SCHEMA, "date": "2026-12-02T02:00:00+00:00", "gpu": "NVIDIA H200", "git_commit": "b" * 40}
+
+    def clocks(self):
+        return {"sm_mhz": 1980, "max_sm_mhz": 1980}
+
+    def support(self, feature):
+        return None if feature == "dense" else f"not in flash_attn_hopper yet (fake: no {feature})"
+
+    def run(self, spec, args):
+        self.calls.append((dict(spec), list(args.directions), list(args.backends), args.no_check))
+        again = args.backends == ["ours"]
+        scale = self.remeasure_scale if again and self.remeasure_scale is not None else self.scale
+        rec = dict(spec, batch=16384 // spec["seqlen"], nheads=2048 // spec["head_dim"], dtype=args.dtype)
+        for d in args.directions:
+            t = _tflops_for(spec["head_dim"], spec["causal"], spec["seqlen"], d, scale)
+            rec[d] = _part(_flops(spec["head_dim"], spec["causal"], spec["seqlen"], d),
+                           {n: t[n] for n in args.backends})
+        return rec
+
+
+GRID = ["--head-dims", "64,128", "--seqlens", "1024,4096", "--no-bar"]
+
+
+def _main(argv, **fake):
+    FakeRunner.instances.clear()
+    rc = nb.main(argv, runner_factory=lambda args: FakeRunner(args, **fake))
+    return rc, FakeRunner.instances[-1]
+
+
+def test_cli_run_writes_record_with_meta_stats_and_skips(tmp_path):
+    out = tmp_path / "run.json"
+    rc, runner = _main(GRID + ["--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["sm_clock_before"]["sm_mhz"] == 1980 and doc["meta"]["sm_clock_after"]["sm_mhz"] == 1980
+    dense = [r for r in doc["results"] if r["feature"] == "dense"]
+    assert len(dense) == 8 and len(runner.calls) == 8  # skipped feature points are not run
+    st = dense[0]["fwd"]["stats"]["ours"]
+    assert {"median", "p20", "p80", "min", "max", "n"} <= set(st)
+    skipped = [r for r in doc["results"] if r.get("skipped")]
+    assert {r["feature"] for r in skipped} == {"gqa", "varlen", "window", "softcap"}
+    assert all(r["skipped"].startswith("not in flash_attn_hopper yet") for r in skipped)
+    assert {r["head_dim"] for r in skipped} == {128} and {r["seqlen"] for r in skipped} == {1024, 4096}
+
+
+def test_cli_second_run_compared_with_first_passes(tmp_path, capsys):
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    assert _main(GRID + ["--json", str(first)])[0] == 0
+    rc, runner = _main(GRID + ["--json", str(second), "--compare", str(first)])
+    assert rc == 0
+    assert all(not backends == ["ours"] for _, _, backends, _ in runner.calls)  # nothing re-measured
+    assert "compare: PASS: 16 points" in capsys.readouterr().out
+    assert json.loads(second.read_text())["compare"]["passed"] is True
+
+
+def test_cli_doctored_baseline_fails_after_one_remeasure(tmp_path, capsys):
+    base = _write(tmp_path / "base.json", make_record(scale=1.1))
+    out = tmp_path / "run.json"
+    rc, runner = _main(GRID + ["--json", str(out), "--compare", base])
+    assert rc == 1
+    again = [c for c in runner.calls if c[2] == ["ours"]]
+    assert len(again) == 8 and all(c[1] == ["fwd", "bwd"] and c[3] for c in again)  # once per point, no check
+    text = capsys.readouterr().out
+    last = [line for line in text.splitlines() if line.startswith("compare:")][-1]
+    assert last.startswith("compare: FAIL") and "head_dim=128 causal=yes seqlen=4096 bwd" in last
+    doc = json.loads(out.read_text())
+    assert doc["compare"]["passed"] is False and len(doc["compare"]["regressions"]) == 16
+    rec = next(r for r in doc["results"] if r["feature"] == "dense")
+    assert rec["fwd"]["remeasure"]["ours"]["tflops"] == pytest.approx(rec["fwd"]["tflops"]["ours"])
+
+
+def test_cli_noise_cleared_by_remeasure(tmp_path, capsys):
+    base = _write(tmp_path / "base.json", make_record())
+    rc, runner = _main(GRID + ["--json", str(tmp_path / "r.json"), "--compare", base], scale=0.9,
+                       remeasure_scale=1.0)
+    assert rc == 0
+    assert len([c for c in runner.calls if c[2] == ["ours"]]) == 8
+    assert "compare: PASS: 16 points of ours within 5% of base.json (16 only after re-measuring)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_help_and_input_mode_without_torch(tmp_path):
+    """--help, and compare + summary of records (--input), through benchmarks/bench_attention.py: no torch import."""
+    cur = _write(tmp_path / "cur.json", make_record())
+    base = _write(tmp_path / "base.json", make_record(scale=1.1))
+    summary = tmp_path / "s.md"
+    code = (
+        "import runpy, sys; sys.argv = [sys.argv[0]] + sys.argv[1:]\n"
+        "try:\n    runpy.run_path(%r, run_name='__main__')\n"
+        "except SystemExit as e:\n    rc = e.code\n"
+        "print('TORCH', 'torch' in sys.modules); sys.exit(rc)\n" % SCRIPT
+    )
+    r = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--compare" in r.stdout and "TORCH False" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-c", code, "--input", cur, "--compare", base, "--summary", str(summary)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "TORCH False" in r.stdout and "not re-measured: --input" in r.stdout
+    assert "compare: FAIL" in summary.read_text()
+    r = subprocess.run([sys.executable, "-c", code, "--input", cur, "--compare", cur], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "compare: PASS" in r.stdout
+
+
+def test_module_help_runs_without_gpu():
+    r = subprocess.run([sys.executable, "-m", "flash_attn_hopper.benchmark", "--help"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and "--threshold" in r.stdout, r.stderr
+
+
+def test_summary_markdown(tmp_path):
+    doc = make_record()
+    cmp = nb.compare_records(doc, make_record(scale=1.1), 0.05)
+    text = nb.format_summary(doc, cmp)
+    assert "| head_dim | causal | seqlen | fwd ours | fwd cuDNN | fwd FA2 | fwd ours/cuDNN | bwd ours |" in text
+    assert "| 128 | no | 4096 | 575 ±1.0% | 633 | 368 | 0.91 |" in text
+    assert "- gqa skipped (2 points): not in flash_attn_hopper yet (GQA)" in text
+    assert "before 1980 MHz, after 1965 MHz" in text
+    assert text.rstrip().splitlines()[-1].startswith("compare: FAIL")
+    path = tmp_path / "sub" / "summary.md"
+    rc = nb.main(["--input", _write(tmp_path / "r.json", doc), "--summary", str(path)])
+    assert rc == 0 and path.read_text().startswith("# Attention benchmark: NVIDIA H200")
+
+
+# ------------------------------------------------------------------------------------------------------- plots
+
+
+@needs_mpl
+def test_plots_are_written(tmp_path):
+    paths = nb.plot_record(make_record(), str(tmp_path / "plots"))
+    assert sorted(os.path.basename(p) for p in paths) == ["tflops_bwd.png", "tflops_fwd.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+
+
+@needs_mpl
+def test_history_plot_from_folder(tmp_path):
+    hist = tmp_path / "history"
+    hist.mkdir()
+    for i, scale in enumerate((0.9, 1.0, 1.05)):
+        _write(hist / f"run{i}.json", make_record(scale=scale, date=f"2026-12-0{i + 1}T02:00:00+00:00",
+                                                  commit=str(i) * 40))
+    (hist / "notes.json").write_text('{"not": "a record"}')  # ignored
+    docs = nb.load_history(str(hist), extra=make_record(date="2026-12-09T02:00:00+00:00"))
+    assert len(docs) == 4 and docs[-1]["meta"]["date"].startswith("2026-12-09")
+    out = nb.plot_history(docs, str(tmp_path / "h.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+
+
+@needs_mpl
+def test_cli_plots_summary_history(tmp_path):
+    hist = tmp_path / "history"
+    hist.mkdir()
+    _write(hist / "old.json", make_record(date="2026-11-30T02:00:00+00:00"))
+    plots, summary = tmp_path / "plots", tmp_path / "summary.md"
+    rc, _ = _main(GRID + ["--json", str(tmp_path / "r.json"), "--plots", str(plots), "--summary", str(summary),
+                          "--history", str(hist)])
+    assert rc == 0
+    assert sorted(os.listdir(plots)) == ["history.png", "tflops_bwd.png", "tflops_fwd.png"]
+    assert summary.read_text().count("\n| ") == 9  # header + 8 points
+
+
+def test_plots_without_matplotlib_fail_clearly(tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    rc = nb.main(["--input", _write(tmp_path / "r.json", make_record()), "--plots", str(tmp_path / "p")])
+    assert rc == 2 and "plots need matplotlib" in capsys.readouterr().err
+
+
+def test_nothing_in_common_is_reported():
+    other = make_record()
+    for r in other["results"]:
+        r["dtype"] = "fp16"
+    cmp = nb.compare_records(make_record(), other, 0.05)
+    assert not cmp["rows"] and not cmp["regressions"] and len(cmp["missing_now"]) == len(cmp["missing_base"]) == 16
+    assert nb.format_comparison(cmp).splitlines()[-1].startswith("compare: PASS (nothing compared")
