@@ -1347,7 +1347,7 @@ def plot_record(doc, out_dir):
             fig.suptitle(f"attention {name}{d}: {_title(doc)}", fontsize=10)
             fig.tight_layout()
             path = os.path.join(out_dir, f"tflops_{feat + '_' if feat != 'dense' else ''}{d}.png")
-            fig.savefig(path, dpi=90)
+            fig.savefig(path, dpi=90, bbox_inches="tight")  # keeps a title wider than one panel
             plt.close(fig)
             paths.append(path)
     return paths
@@ -1413,7 +1413,7 @@ def plot_history(docs, path):
                  fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
 
