@@ -44,7 +44,10 @@ def _check_tensor_args(q, k, v):
                 f"k has {nheads_k} heads for q's {nheads}: grouped-query / multi-query attention (nheads_k < nheads) "
                 "is not implemented yet; repeat k and v to nheads heads meanwhile"
             )
-        raise ValueError(f"k has {nheads_k} heads but q has {nheads}; nheads must be a multiple of nheads_k")
+        raise ValueError(
+            f"k has {nheads_k} heads but q has {nheads}; q's nheads must equal nheads_k (or, once GQA/MQA is built, "
+            "be a multiple of it)"
+        )
     for name, t in (("k", k), ("v", v)):
         if t.shape[3] != head_dim:
             raise ValueError(f"{name} has head_dim {t.shape[3]} but q has head_dim {head_dim}")
@@ -152,7 +155,10 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
     _check_tensor_args(q, k, v)
     softmax_scale = _check_scale(softmax_scale, q.shape[-1])
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if type(causal).__module__ == "numpy" and isinstance(getattr(causal, "item", lambda: None)(), bool):
+            causal = bool(causal)  # numpy.bool_
+        else:
+            raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__qualname__}")
     _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
     _ops.require_extension()
     if not torch.compiler.is_compiling():

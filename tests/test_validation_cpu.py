@@ -118,7 +118,7 @@ def test_seqlen_k_mismatch(name):
 def test_nheads_k_not_dividing_nheads():
     q, k, v = _qkv()  # H = 3 query heads
     k2, v2 = _shape_with(k, 2, 2), _shape_with(v, 2, 2)
-    with pytest.raises(ValueError, match=rf"^k has 2 heads but q has {H}; nheads must be a multiple of nheads_k"):
+    with pytest.raises(ValueError, match=rf"^k has 2 heads but q has {H}; q's nheads must equal nheads_k"):
         attention(q, k2, v2)
 
 
@@ -221,8 +221,15 @@ def test_softmax_scale_default_and_accepted_values(head_dim):
 
 @pytest.mark.parametrize("bad", [1, 0, "True", None, 1.0], ids=["int1", "int0", "str", "None", "float"])
 def test_causal_not_bool(bad):
-    with pytest.raises(TypeError, match=r"^causal must be a bool, got " + type(bad).__name__):
+    with pytest.raises(TypeError, match=r"^causal must be a bool, got builtins\." + type(bad).__name__):
         attention(*_qkv(), causal=bad)
+
+
+def test_causal_numpy_bool_accepted():
+    np = pytest.importorskip("numpy")
+    # Accepted as a bool: the call proceeds to the device check (CPU tensors here).
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'"):
+        attention(*_qkv(), causal=np.bool_(True))
 
 
 # ----------------------------------------------------------------------------------------------------- devices
