@@ -201,7 +201,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
   at::Tensor out = tma_ready(out_in), dout = tma_ready(dout_in);
 
-  int const seqlen_q_rounded = (seqlen_q + flash::kBwdBlockM - 1) / flash::kBwdBlockM * flash::kBwdBlockM;
+  int const seqlen_q_rounded =
+      (seqlen_q + flash::kBwdSeqlenQRounding - 1) / flash::kBwdSeqlenQRounding * flash::kBwdSeqlenQRounding;
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());

@@ -33,20 +33,25 @@ struct FwdTileConfig<256> {
   static constexpr bool kIntraWGOverlap = false;
 };
 
-// Backward: kBlockM query rows per iteration (one 64-row WGMMA tile), kBlockN keys resident per CTA.
-// Shared memory = (2 * kStages * kBlockM + 2 * kBlockN) * kHeadDim * 2 + 2 * kBlockM * kBlockN * 2 bytes:
-//   hdim  64: kBlockN 128 -> 96 KiB;  hdim 128: kBlockN 128 -> 160 KiB;
-//   hdim 256: kBlockN 64 -> 208 KiB, and dK/dV split head_dim across the warpgroups (64 keys x 128 columns of
-//   each of dK and dV per warpgroup = 128 accumulator registers per thread; splitting keys would need 256).
-// Registers per consumer thread, hdim 128: dK + dV 128, S + dP 64 (live together), then dQ tile 32.
-// First configuration (2026-11-29): chosen to fit, not yet tuned by measurement.
-constexpr int kBwdBlockM = 64;
+// Backward. kSwapSdP (head_dim <= 128): Sᵀ/dPᵀ per warpgroup of 64 keys, P and dS kept in registers for the
+// dK/dV GEMMs, dS double-buffered in shared memory for dQ. Shared memory
+// = (2 * kStages * kBlockM + 2 * kBlockN) * kHeadDim * 2 + 2 * kBlockM * kBlockN * 2 bytes (+ LSE/D per stage):
+//   hdim  64: kBlockM 128 x kBlockN 128 -> 160 KiB (Sᵀ, dPᵀ 64 registers each per thread; dK + dV 64);
+//   hdim 128: kBlockM  64 x kBlockN 128 -> 160 KiB (Sᵀ, dPᵀ 32 each; dK + dV 128).
+// head_dim 256 (no swap): kBlockM 64 x kBlockN 64, P and dS both in shared memory -> 208 KiB, and dK/dV split
+//   head_dim across the warpgroups (64 keys x 128 columns of each of dK and dV per warpgroup = 128 accumulator
+//   registers per thread; splitting keys would need 256).
+// Swap configurations: 2026-11-29 (session 2), replacing kBlockM 64 without swap at head_dim 64/128, which ran at
+// 0.70-0.80x cuDNN (benchmarks/NOTES.md "Backward v2").
+constexpr int kBwdSeqlenQRounding = 128;  // rows of the dQ accumulator / LSE / D workspaces: a multiple of kBlockM
 
 template <int kHeadDim>
 struct BwdTileConfig {
-  static constexpr int kBlockM = kBwdBlockM, kStages = 2;
+  static constexpr bool kSwapSdP = kHeadDim <= 128;
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64, kStages = 2;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr bool kDKVSplitD = kHeadDim > 128;
+  static_assert(kBwdSeqlenQRounding % kBlockM == 0);
 };
 
 }  // namespace flash

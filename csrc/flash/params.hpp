@@ -42,7 +42,7 @@ struct BwdParams {
   void* dk_ptr;          // (batch, seqlen_k, nheads, head_dim), written
   void* dv_ptr;          // (batch, seqlen_k, nheads, head_dim), written
 
-  // Workspace, per (batch, head) of seqlen_q_rounded rows (rounded up to the backward's kBlockM):
+  // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to kBwdSeqlenQRounding = 128):
   float* dq_accum_ptr;  // (batch, nheads, seqlen_q_rounded, head_dim) fp32, zeroed before the main kernel
   float* lse_log2_ptr;  // (batch, nheads, seqlen_q_rounded): LSE * log2(e); +inf for rows with no key or padding
   float* dpsum_ptr;     // (batch, nheads, seqlen_q_rounded): D = rowsum(dO * O); 0 for padding

@@ -25,80 +25,34 @@ namespace flash {
 
 using namespace cute;
 
-// kDKVSplitD: the dK/dV GEMMs split head_dim across the two warpgroups (each owns all kBlockN = 64 keys and
-// half of head_dim) instead of splitting the keys (each owns 64 of kBlockN = 128 keys and all of head_dim).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDKVSplitD_>
-struct BwdKernelTraits {
+// What both backward variants share: tile sizes, thread roles, the Q/dO/K/V shared-memory layouts, the Q/dO
+// pipeline, the TMA descriptors and the kernel parameters.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct BwdTraitsBase {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kDKVSplitD = kDKVSplitD_;
   static constexpr int NumMmaWarpGroups = 2;
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
-  // setmaxnreg budgets, 24/240 or 56/224 (x 128 + x 256 = 64512 of the 65536 registers per SM), whichever spilled
-  // least on 2026-11-29: head_dim 128 spilled ~16 words inside the consumer loop at 56/224 and a few loop-invariant
-  // words at 24/240; head_dim 256 spilled 20 bytes at 56/224 and 184 bytes (mostly producer) at 24/240.
-  static constexpr int kProducerRegs = kHeadDim > 128 ? 56 : 24;
-  static constexpr int kConsumerRegs = kHeadDim > 128 ? 224 : 240;
-  // dQ_tile is computed in head_dim slices so its accumulator stays at 32 registers per thread beside the 128 of
-  // dK and dV (a whole head_dim 256 tile needs 64 and spills).
-  static constexpr int kDQPasses = kHeadDim > 128 ? 2 : 1;
-  static constexpr int kDQCols = kHeadDim / kDQPasses;
-  static_assert(kBlockM == 64, "one 64-row WGMMA tile of queries per iteration");
-  static_assert(kDKVSplitD ? kBlockN == 64 : kBlockN == 128);
-
-  // S = Q Kᵀ and dP = dO Vᵀ: (M = kBlockM rows, N = kBlockN keys, K = head_dim), warpgroups split N.
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
-      Layout<Shape<_1, _2, _1>>{}));
-  // dV += Pᵀ dO and dK += dSᵀ Q: (M = kBlockN keys, N = head_dim, K = kBlockM rows); both operands MN-major.
-  using AtomLayoutdKV = std::conditional_t<kDKVSplitD, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>;
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<_64, Int<kDKVSplitD ? kHeadDim / 2 : kHeadDim>, Int<kBlockM>>, GMMA::Major::MN,
-                           GMMA::Major::MN>(),
-      AtomLayoutdKV{}));
-  // dQ_tile = dS K: (M = kBlockM rows, N = kDQCols of head_dim per pass, K = kBlockN keys), warpgroups split N.
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDQCols / 2>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));
 
   template <int kRows, int kCols>
   using KMajorAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
                                                                                   Int<kRows>, Int<kCols>>());
-  // Q and dO: (kBlockM, head_dim, stages); K and V: (kBlockN, head_dim); P and dS: (kBlockM, kBlockN).
+  // Q and dO: (kBlockM, head_dim, stages); K and V: (kBlockN, head_dim).
   using SmemLayoutQ = decltype(tile_to_shape(KMajorAtom<kBlockM, kHeadDim>{},
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(KMajorAtom<kBlockN, kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutPdS = decltype(tile_to_shape(KMajorAtom<kBlockM, kBlockN>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
   // The same bytes read transposed: MN-major operands of the dK/dV and dQ GEMMs.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
-  using SmemLayoutPdSt = decltype(composition(
-      SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
-
-  struct SharedStorage {
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_do;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutPdS>, 1024> smem_p;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutPdS>, 1024> smem_ds;
-    cutlass::arch::ClusterTransactionBarrier barrier_kv;
-    typename Pipeline::SharedStorage pipeline_qdo;
-  };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
-  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
 
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, head_dim, nheads, batch)
@@ -128,6 +82,126 @@ struct BwdKernelTraits {
     float softmax_scale, softmax_scale_log2;
     bool is_causal;
   };
+};
+
+// Variant for head_dim <= 128 (kSwapSdP): S and dP are computed transposed, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, with the
+// warpgroups splitting the keys, so each warpgroup holds Pᵀ and dSᵀ for its 64 keys in the accumulator layout that
+// is also the register A operand of dV += Pᵀ dO and dK += dSᵀ Q (RS WGMMA: P never goes to shared memory). dS goes
+// to shared memory (double-buffered, one barrier per iteration) only for dQ = dS K, which sums over all keys.
+// LSE and D of the tile's rows come with Q and dO (bulk copies into the same pipeline stage): each thread needs
+// them per column of Sᵀ.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_> {
+  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_>;
+  using typename Base::Element;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
+  static constexpr bool kSwapSdP = true;
+  static constexpr bool kStatsInSmem = true;
+  // Per consumer thread at head_dim 128: dK + dV 128, Sᵀ + dPᵀ 64, their 16-bit copies 32, dQ 32.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kBlockN == 64 * Base::NumMmaWarpGroups, "each warpgroup owns 64 keys");
+  static_assert(kBlockM % 64 == 0 && kHeadDim <= 128);
+
+  // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: (M = kBlockN keys, N = kBlockM rows, K = head_dim), warpgroups split M.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // dV += Pᵀ dO and dK += dSᵀ Q, A from registers: (M = kBlockN keys, N = head_dim, K = kBlockM rows).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // dQ_tile = dS K: (M = kBlockM rows, N = head_dim, K = kBlockN keys), warpgroups split N.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  // dS: (kBlockM, kBlockN, 2 buffers), keys contiguous (K-major A operand of dQ); written through the transposed
+  // view from the dSᵀ accumulator layout.
+  using SmemLayoutdS = decltype(tile_to_shape(typename Base::template KMajorAtom<kBlockM, kBlockN>{},
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>, 1024> smem_k;
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>, 1024> smem_v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> smem_ds;
+    cute::array_aligned<float, kBlockM * kStages, 128> smem_lse;
+    cute::array_aligned<float, kBlockM * kStages, 128> smem_dpsum;
+    cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    typename Base::Pipeline::SharedStorage pipeline_qdo;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
+  static constexpr uint32_t kStatBytes = kBlockM * sizeof(float);
+  static_assert(kStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kStatBytes;
+};
+
+// Variant for head_dim 256: S and dP as (rows, keys) with the warpgroups splitting the keys; P and dS go to shared
+// memory and every GEMM reads both operands from there. kDKVSplitD: the dK/dV GEMMs split head_dim across the two
+// warpgroups (each owns all kBlockN = 64 keys and half of head_dim) instead of splitting the keys.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDKVSplitD_>
+struct BwdKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_> {
+  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_>;
+  using typename Base::Element;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
+  static constexpr bool kSwapSdP = false;
+  static constexpr bool kStatsInSmem = false;
+  static constexpr bool kDKVSplitD = kDKVSplitD_;
+  // setmaxnreg budgets, 24/240 or 56/224 (x 128 + x 256 = 64512 of the 65536 registers per SM), whichever spilled
+  // least on 2026-11-29: head_dim 128 spilled ~16 words inside the consumer loop at 56/224 and a few loop-invariant
+  // words at 24/240; head_dim 256 spilled 20 bytes at 56/224 and 184 bytes (mostly producer) at 24/240.
+  static constexpr int kProducerRegs = kHeadDim > 128 ? 56 : 24;
+  static constexpr int kConsumerRegs = kHeadDim > 128 ? 224 : 240;
+  // dQ_tile is computed in head_dim slices so its accumulator stays at 32 registers per thread beside the 128 of
+  // dK and dV (a whole head_dim 256 tile needs 64 and spills).
+  static constexpr int kDQPasses = kHeadDim > 128 ? 2 : 1;
+  static constexpr int kDQCols = kHeadDim / kDQPasses;
+  static_assert(kBlockM == 64, "one 64-row WGMMA tile of queries per iteration");
+  static_assert(kDKVSplitD ? kBlockN == 64 : kBlockN == 128);
+
+  // S = Q Kᵀ and dP = dO Vᵀ: (M = kBlockM rows, N = kBlockN keys, K = head_dim), warpgroups split N.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+      Layout<Shape<_1, _2, _1>>{}));
+  // dV += Pᵀ dO and dK += dSᵀ Q: (M = kBlockN keys, N = head_dim, K = kBlockM rows); both operands MN-major.
+  using AtomLayoutdKV = std::conditional_t<kDKVSplitD, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>;
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kDKVSplitD ? kHeadDim / 2 : kHeadDim>, Int<kBlockM>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      AtomLayoutdKV{}));
+  // dQ_tile = dS K: (M = kBlockM rows, N = kDQCols of head_dim per pass, K = kBlockN keys), warpgroups split N.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kDQCols / 2>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  // P and dS: (kBlockM, kBlockN), and the same bytes read transposed.
+  using SmemLayoutPdS = decltype(tile_to_shape(typename Base::template KMajorAtom<kBlockM, kBlockN>{},
+                                               Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>, 1024> smem_k;
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>, 1024> smem_v;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutPdS>, 1024> smem_p;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutPdS>, 1024> smem_ds;
+    cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    typename Base::Pipeline::SharedStorage pipeline_qdo;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
+  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element);
 };
 
 // Query blocks whose rows see at least one key of n_block (bottom-right causal: row i sees key j iff
@@ -178,6 +252,13 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
     BarrierType* full = pipeline.producer_get_barrier(write_state);
     copy(params.tma_q.with(*full, 0), tQgQ(_, m_block), tQsQ(_, write_state.index()));
     copy(params.tma_do.with(*full, 0), tdOgdO(_, m_block), tdOsdO(_, write_state.index()));
+    if constexpr (Traits::kStatsInSmem) {
+      // LSE_log2 and D of the tile's rows (rows are padded to seqlen_q_rounded, so every tile is whole).
+      int64_t const row0 = (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded + m_block * kBlockM;
+      int const off = write_state.index() * kBlockM;
+      SM90_BULK_COPY_G2S::copy(params.lse_log2_ptr + row0, full, ss.smem_lse.data() + off, Traits::kStatBytes);
+      SM90_BULK_COPY_G2S::copy(params.dpsum_ptr + row0, full, ss.smem_dpsum.data() + off, Traits::kStatBytes);
+    }
     ++write_state;
   }
   pipeline.producer_tail(write_state);
@@ -203,6 +284,141 @@ CUTLASS_DEVICE void store_rows(TensorAcc const& acc, TensorCoord const& coord, E
       }
     }
   }
+}
+
+// Consumer of the kSwapSdP variant (mma_tidx in [0, NumMmaThreads)). Per Q tile and warpgroup (64 keys):
+//   Sᵀ, dPᵀ (SS) -> Pᵀ = exp2(Sᵀ·scale_log2 − LSE_log2), dSᵀ = Pᵀ ∘ (dPᵀ − D) -> dV += Pᵀ dO (RS, issued first)
+//   -> dS to shared memory, one barrier -> dQ_tile = dS K (SS) and dK += dSᵀ Q (RS) -> dQ atomics while dK runs.
+template <class Traits>
+CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
+                                         typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,
+                                         int bidb, int m_block_min, int m_block_max) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  auto consumers_sync = [] { cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1); };
+
+  typename Traits::TiledMmaSdP tiled_mma_sdp;
+  typename Traits::TiledMmadKV tiled_mma_dkv;
+  typename Traits::TiledMmadQ tiled_mma_dq;
+  auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(mma_tidx);
+  auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(mma_tidx);
+  auto thr_mma_dq = tiled_mma_dq.get_thread_slice(mma_tidx);
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.smem_ds.data()), typename Traits::SmemLayoutdSt{});
+
+  Tensor tSrK = thr_mma_sdp.partition_fragment_A(sK);       // (MMA, MMA_M, MMA_K)
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_B(sQ);       // (MMA, MMA_N, MMA_K, stages)
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_A(sV);      // (MMA, MMA_M, MMA_K)
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_B(sdO);    // (MMA, MMA_N, MMA_K, stages)
+  Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt);    // (MMA, MMA_N, MMA_K, stages)
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, 2)
+  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);     // (MMA, MMA_N, MMA_K)
+
+  // dSᵀ registers -> dS in shared memory: transposing stmatrix, in the Sᵀ accumulator's thread layout.
+  auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, tiled_mma_sdp);
+  auto thr_copy_ds = smem_copy_ds.get_thread_slice(mma_tidx);
+  Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, 2)
+
+  Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor tdKrdK = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  // (key, row) of each Sᵀ element this thread holds.
+  Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Mask<kBlockM, kBlockN> mask{params.seqlen_q, params.seqlen_k, params.is_causal};
+
+  int64_t const row_base = (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded;
+  float* dq_accum = params.dq_accum_ptr + row_base * kHeadDim;
+
+  if (m_block_max > m_block_min) {
+    ss.barrier_kv.wait(0);
+    typename Traits::PipelineState read_state;
+    int ds_buf = 0;
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      int const stage = read_state.index();
+      float const* lse_log2 = ss.smem_lse.data() + stage * kBlockM;
+      float const* dpsum = ss.smem_dpsum.data() + stage * kBlockM;
+
+      Tensor tSrS = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      pipeline.consumer_wait(read_state);
+      wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+      wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
+      warpgroup_wait<1>();  // Sᵀ is ready; dPᵀ may still be in flight
+
+      if (mask.needs_mask(m_block, n_block)) { mask.apply_transposed(tSrS, tScS, m_block, n_block); }
+      // Padded rows have LSE_log2 = +inf: P = 0 there.
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (keys, rows)
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        float const lse = lse_log2[get<1>(tScS_rc(0, j))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < size<0>(s); ++r) { s(r, j) = exp2f(fmaf(s(r, j), params.softmax_scale_log2, -lse)); }
+      }
+      warpgroup_wait<0>();
+      Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(dp); ++j) {
+        float const d = dpsum[get<1>(tScS_rc(0, j))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < size<0>(dp); ++r) { dp(r, j) = s(r, j) * (dp(r, j) - d); }
+      }
+      Tensor tdVrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));
+      Tensor tdKrdS = make_tensor<Element>(acc_to_a_operand(tdPrdP.layout()));
+      convert_type_into(tSrS, tdVrP);
+      convert_type_into(tdPrdP, tdKrdS);
+
+      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
+      // dS (both warpgroups' keys) for dQ; the buffer written here was last read by the dQ GEMM two iterations
+      // ago, which every warpgroup finished before the previous iteration's barrier.
+      Tensor tdSrdS = make_tensor(tdKrdS.data(), tdPrdP.layout());  // accumulator view of the same registers
+      copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_buf));
+      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
+      consumers_sync();
+
+      Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buf), tdQrKt, tdQrdQ);
+      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
+      warpgroup_wait<1>();  // dV and dQ_tile done; dK still running
+      warpgroup_fence_operand(tdVrP);  // registers read by an in-flight WGMMA must stay untouched until now
+      // dQ_tile (unscaled) into the fp32 accumulator while dK runs; the postprocess applies softmax_scale.
+      Tensor dq = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
+      Tensor cq = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(dq); ++r) {
+        float* row_ptr = dq_accum + int64_t(m_block * kBlockM + get<0>(cq(r, 0))) * kHeadDim;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(dq); j += 2) {
+          atomicAdd(reinterpret_cast<float2*>(row_ptr + get<1>(cq(r, j))), make_float2(dq(r, j), dq(r, j + 1)));
+        }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdKrdS);
+      pipeline.consumer_release(read_state);
+      ++read_state;
+      ds_buf ^= 1;
+    }
+  }
+
+  // Epilogue: dV and α·dK for the keys of this block that exist (zeros when no query sees them).
+  Tensor tdKVcdKV = thr_mma_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  int const key_offset = n_block * kBlockN;
+  store_rows(tdVrdV, tdKVcdKV, params.dv_ptr + bidb * params.dv_batch_stride + bidh * params.dv_head_stride,
+             params.dv_row_stride, key_offset, params.seqlen_k, 1.f);
+  store_rows(tdKrdK, tdKVcdKV, params.dk_ptr + bidb * params.dk_batch_stride + bidh * params.dk_head_stride,
+             params.dk_row_stride, key_offset, params.seqlen_k, params.softmax_scale);
 }
 
 // Consumer perspective (mma_tidx in [0, NumMmaThreads)).
@@ -396,8 +612,12 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    bwd_consumer<Traits>(params, ss, pipeline, threadIdx.x - cutlass::NumThreadsPerWarpGroup, n_block, bidh, bidb,
-                         m_block_min, m_block_max);
+    int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
+    if constexpr (Traits::kSwapSdP) {
+      bwd_consumer_swapped<Traits>(params, ss, pipeline, mma_tidx, n_block, bidh, bidb, m_block_min, m_block_max);
+    } else {
+      bwd_consumer<Traits>(params, ss, pipeline, mma_tidx, n_block, bidh, bidb, m_block_min, m_block_max);
+    }
   }
 }
 

@@ -1,6 +1,8 @@
 // Host side of the backward: preprocess, main kernel (TMA descriptors, grid, shared memory), postprocess.
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
@@ -16,8 +18,9 @@ namespace flash {
 template <class Element, int kHeadDim>
 cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim>;
-  using Traits = BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>;
-  static_assert(Cfg::kBlockM == kBwdBlockM, "dQ accumulator rows are rounded to kBwdBlockM by the host");
+  using Traits = std::conditional_t<
+      Cfg::kSwapSdP, BwdSwapKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages>,
+      BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>>;
   if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
 
   {

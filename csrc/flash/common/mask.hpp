@@ -58,6 +58,20 @@ struct Mask {
       }
     }
   }
+
+  // The same for a transposed tile: tStS holds Sᵀ, tStC the (key, row) coordinates within the tile.
+  template <class TensorS, class TensorC>
+  CUTLASS_DEVICE void apply_transposed(TensorS& tStS, TensorC const& tStC, int m_block, int n_block) const {
+    int const key_limit_seqlen = seqlen_k - n_block * kBlockN;
+    // Row `row` sees tile-local keys below row + causal_offset.
+    int const causal_offset = m_block * kBlockM + 1 + seqlen_k - seqlen_q - n_block * kBlockN;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tStS); ++i) {
+      int const key = get<0>(tStC(i)), row = get<1>(tStC(i));
+      int const key_limit = is_causal ? min(key_limit_seqlen, row + causal_offset) : key_limit_seqlen;
+      if (key >= key_limit) { tStS(i) = -INFINITY; }
+    }
+  }
 };
 
 }  // namespace flash
