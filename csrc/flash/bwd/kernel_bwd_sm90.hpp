@@ -3,11 +3,14 @@
 //
 // One CTA per (n_block of kBlockN keys, head, batch); K and V stay resident in shared memory.
 //   warpgroup 0        Producer: one thread loads K, V once (TMA), then Q and dO tiles of kBlockM query rows
-//                      through a kStages-deep pipeline (PipelineTmaAsync); registers released.
-//   warpgroups 1..2    Consumers. Per Q tile:  S = Q Kᵀ and dP = dO Vᵀ (WGMMA, split over keys),
-//                      P = exp2(S·scale_log2 − LSE_log2), dS = P ∘ (dP − D); P and dS go to shared memory
-//                      (stmatrix) so that dV += Pᵀ dO, dK += dSᵀ Q and dQ_tile = dS K read them as WGMMA
-//                      operands; dQ_tile is added into the fp32 dQ accumulator with atomics.
+//                      (and, kSwapSdP, their LSE and D) through a kStages-deep pipeline (PipelineTmaAsync); in the
+//                      kSwapSdP variant warp 1 adds finished dQ tiles into the fp32 accumulator (TMA reduce-add).
+//   warpgroups 1..2    Consumers. Per Q tile: S = Q Kᵀ and dP = dO Vᵀ, P = exp2(S·scale_log2 − LSE_log2),
+//                      dS = P ∘ (dP − D), dV += Pᵀ dO, dK += dSᵀ Q, dQ_tile = dS K.
+//                      kSwapSdP (head_dim <= 128): Sᵀ/dPᵀ per warpgroup of 64 keys, Pᵀ and dSᵀ stay in registers
+//                      as the A operands of dV/dK; dS goes to shared memory for dQ only.
+//                      Otherwise (head_dim 256): P and dS go to shared memory for every GEMM; dQ_tile is added into
+//                      the accumulator with per-thread atomics.
 //                      dK and dV stay in registers across the loop and are written once (dK scaled by α).
 #pragma once
 
@@ -64,13 +67,25 @@ struct BwdTraitsBase {
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 
+  // dQ accumulator chunks for TMA reduce-add: the fp32 workspace seen as (rows, 128) and moved in boxes of
+  // (32, 128) = 16 KiB, one warpgroup's half of a (kBlockM, head_dim) dQ tile (kSwapSdP variant only).
+  static constexpr int kDQChunkRows = 32, kDQChunkCols = 128;
+  static constexpr int kDQChunkFloats = kDQChunkRows * kDQChunkCols;
+  using SmemLayoutDQChunk = Layout<Shape<Int<kDQChunkRows>, Int<kDQChunkCols>>, Stride<Int<kDQChunkCols>, _1>>;
+  using DQAccumTensor = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
+                                             make_layout(make_shape(int32_t(0), Int<kDQChunkCols>{}),
+                                                         make_stride(Int<kDQChunkCols>{}, _1{}))));
+  using TmaDQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, DQAccumTensor{}, SmemLayoutDQChunk{}));
+
   struct Params {
     TmaQ tma_q;
     TmaQ tma_do;
     TmaKV tma_k;
     TmaKV tma_v;
+    TmaDQ tma_dq;
     ShapeQKV shape_q;
     ShapeQKV shape_k;
+    int32_t dq_accum_rows;  // rows of the (rows, 128) view of the dQ accumulator
     Element* dk_ptr;
     Element* dv_ptr;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -89,7 +104,9 @@ struct BwdTraitsBase {
 // is also the register A operand of dV += Pᵀ dO and dK += dSᵀ Q (RS WGMMA: P never goes to shared memory). dS goes
 // to shared memory (double-buffered, one barrier per iteration) only for dQ = dS K, which sums over all keys.
 // LSE and D of the tile's rows come with Q and dO (bulk copies into the same pipeline stage): each thread needs
-// them per column of Sᵀ.
+// them per column of Sᵀ. dQ_tile goes to shared memory in the accumulator's register order (conflict-free 16-byte
+// stores) and a writer warp adds it into the fp32 workspace with TMA reduce-add, so the consumers issue no atomics;
+// the workspace therefore holds each tile in that register order, which the postprocess undoes.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_> {
   using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_>;
@@ -97,9 +114,12 @@ struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlock
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
   static constexpr bool kSwapSdP = true;
   static constexpr bool kStatsInSmem = true;
-  // Per consumer thread at head_dim 128: dK + dV 128, Sᵀ + dPᵀ 64, their 16-bit copies 32, dQ 32.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // Per consumer thread at head_dim 128: dK + dV 128, Sᵀ + dPᵀ 64, their 16-bit copies 32, dQ 32; at head_dim 64
+  // (kBlockM 128): dK + dV 64, Sᵀ + dPᵀ 128, copies 64, dQ 32. Budgets with the fewest spills (2026-11-29):
+  // 40/232 leaves head_dim 128 spill-free (24/240 spilled 72 bytes in the producer); head_dim 64 spills ~20
+  // words inside the consumer loop at 232, so it keeps 240.
+  static constexpr int kProducerRegs = kHeadDim <= 64 ? 24 : 40;
+  static constexpr int kConsumerRegs = kHeadDim <= 64 ? 240 : 232;
   static_assert(kBlockN == 64 * Base::NumMmaWarpGroups, "each warpgroup owns 64 keys");
   static_assert(kBlockM % 64 == 0 && kHeadDim <= 128);
 
@@ -131,6 +151,7 @@ struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlock
     cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>, 1024> smem_v;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> smem_ds;
+    cute::array_aligned<float, kBlockM * kHeadDim, 1024> smem_dq;  // two chunks, one per warpgroup
     cute::array_aligned<float, kBlockM * kStages, 128> smem_lse;
     cute::array_aligned<float, kBlockM * kStages, 128> smem_dpsum;
     cutlass::arch::ClusterTransactionBarrier barrier_kv;
@@ -141,6 +162,11 @@ struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlock
   static constexpr uint32_t kStatBytes = kBlockM * sizeof(float);
   static_assert(kStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kStatBytes;
+  static_assert(kBlockM * kHeadDim == 2 * Base::kDQChunkFloats, "one dQ chunk per warpgroup");
+  // Named barriers (user ids; CUTLASS offsets them past its reserved ones): 1 all consumers; per warpgroup w,
+  // 2 + w "dQ chunk written" and 4 + w "dQ chunk free", between that warpgroup and the dQ writer warp.
+  static constexpr int kBarrierDQFull = 2, kBarrierDQEmpty = 4;
+  static constexpr int kDQBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
 };
 
 // Variant for head_dim 256: S and dP as (rows, keys) with the warpgroups splitting the keys; P and dS go to shared
@@ -286,6 +312,44 @@ CUTLASS_DEVICE void store_rows(TensorAcc const& acc, TensorCoord const& coord, E
   }
 }
 
+// dQ writer warp of the kSwapSdP variant: for each Q tile, adds each warpgroup's dQ chunk from shared memory into
+// the fp32 workspace (TMA reduce-add, one elected lane), then hands the chunk back once TMA has read it.
+template <class Traits>
+CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
+                                  int bidh, int bidb, int m_block_min, int m_block_max) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  Tensor sDQ = make_tensor(make_smem_ptr(ss.smem_dq.data()),
+                           make_layout(make_shape(Int<Traits::kDQChunkRows>{}, Int<Traits::kDQChunkCols>{}, _2{}),
+                                       make_stride(Int<Traits::kDQChunkCols>{}, _1{}, Int<Traits::kDQChunkFloats>{})));
+  Tensor mDQ = params.tma_dq.get_tma_tensor(make_shape(params.dq_accum_rows, Int<Traits::kDQChunkCols>{}));
+  Tensor gDQ = local_tile(mDQ, Shape<Int<Traits::kDQChunkRows>, Int<Traits::kDQChunkCols>>{}, make_coord(_, _0{}));
+  auto [tDQgDQ, tDQsDQ] =
+      tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sDQ), group_modes<0, 2>(gDQ));
+  bool const leader = cute::elect_one_sync();
+  // Chunk index of the first row of this (batch, head): kBlockM * head_dim floats per Q tile, two chunks.
+  int64_t const chunk_base =
+      (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded * kHeadDim / Traits::kDQChunkFloats;
+  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int wg = 0; wg < 2; ++wg) {
+      cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + wg);
+      if (leader) {
+        copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, int(chunk_base + int64_t(m_block) * 2 + wg)));
+        tma_store_arrive();
+      }
+    }
+    if (leader) { tma_store_wait<0>(); }  // both chunks read out of shared memory
+    __syncwarp();
+    if (m_block + 1 < m_block_max) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int wg = 0; wg < 2; ++wg) {
+        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + wg);
+      }
+    }
+  }
+  if (leader) { tma_store_wait<0>(); }
+}
+
 // Consumer of the kSwapSdP variant (mma_tidx in [0, NumMmaThreads)). Per Q tile and warpgroup (64 keys):
 //   Sᵀ, dPᵀ (SS) -> Pᵀ = exp2(Sᵀ·scale_log2 − LSE_log2), dSᵀ = Pᵀ ∘ (dPᵀ − D) -> dV += Pᵀ dO (RS, issued first)
 //   -> dS to shared memory, one barrier -> dQ_tile = dS K (SS) and dK += dSᵀ Q (RS) -> dQ atomics while dK runs.
@@ -336,11 +400,12 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
   // (key, row) of each Sᵀ element this thread holds.
   Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Mask<kBlockM, kBlockN> mask{params.seqlen_q, params.seqlen_k, params.is_causal};
-
-  int64_t const row_base = (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded;
-  float* dq_accum = params.dq_accum_ptr + row_base * kHeadDim;
+  int const warpgroup = mma_tidx / cutlass::NumThreadsPerWarpGroup;
+  int const wg_tidx = mma_tidx % cutlass::NumThreadsPerWarpGroup;
+  float* sdq_chunk = ss.smem_dq.data() + warpgroup * Traits::kDQChunkFloats;
+  static_assert(decltype(size(partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{})))::value *
+                    cutlass::NumThreadsPerWarpGroup == Traits::kDQChunkFloats);
 
   if (m_block_max > m_block_min) {
     ss.barrier_kv.wait(0);
@@ -393,17 +458,18 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
       wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
       warpgroup_wait<1>();  // dV and dQ_tile done; dK still running
       warpgroup_fence_operand(tdVrP);  // registers read by an in-flight WGMMA must stay untouched until now
-      // dQ_tile (unscaled) into the fp32 accumulator while dK runs; the postprocess applies softmax_scale.
-      Tensor dq = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
-      Tensor cq = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < size<0>(dq); ++r) {
-        float* row_ptr = dq_accum + int64_t(m_block * kBlockM + get<0>(cq(r, 0))) * kHeadDim;
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(dq); j += 2) {
-          atomicAdd(reinterpret_cast<float2*>(row_ptr + get<1>(cq(r, j))), make_float2(dq(r, j), dq(r, j + 1)));
-        }
+      // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk while dK runs, once
+      // the writer has finished reading the previous one.
+      if (m_block > m_block_min) {
+        cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
       }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tdQrdQ); i += 4) {
+        *reinterpret_cast<float4*>(sdq_chunk + (i * cutlass::NumThreadsPerWarpGroup + 4 * wg_tidx)) =
+            make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+      }
+      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
+      cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + warpgroup);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdKrdS);
       pipeline.consumer_release(read_state);
@@ -588,6 +654,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    if constexpr (Traits::kSwapSdP) { cute::prefetch_tma_descriptor(params.tma_dq.get_tma_descriptor()); }
     ss.barrier_kv.init(/*arrive_count=*/1);
   }
 
@@ -609,6 +676,11 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     // The pipeline's leader (thread 0) is the one thread that issues every TMA load.
     if (threadIdx.x == 0 && m_block_max > m_block_min) {
       bwd_producer<Traits>(params, ss, pipeline, n_block, bidh, bidb, m_block_min, m_block_max);
+    }
+    if constexpr (Traits::kSwapSdP) {
+      if (warp_idx == 1 && m_block_max > m_block_min) {
+        bwd_dq_writer<Traits>(params, ss, bidh, bidb, m_block_min, m_block_max);
+      }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();

@@ -1,6 +1,7 @@
 // Host side of the backward: preprocess, main kernel (TMA descriptors, grid, shared memory), postprocess.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
 
 #include <cuda_runtime.h>
@@ -41,14 +42,21 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   auto kv_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
+  int64_t const dq_accum_rows = int64_t(p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim / Traits::kDQChunkCols;
+  if (dq_accum_rows > INT32_MAX) { return cudaErrorInvalidValue; }
+  Tensor mDQaccum = make_tensor(make_gmem_ptr(p.dq_accum_ptr),
+                                make_layout(make_shape(int32_t(dq_accum_rows), Int<Traits::kDQChunkCols>{}),
+                                            make_stride(Int<Traits::kDQChunkCols>{}, _1{})));
 
   typename Traits::Params kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, q_smem, q_tile, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mdO, q_smem, q_tile, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
+      make_tma_copy(SM90_TMA_REDUCE_ADD{}, mDQaccum, typename Traits::SmemLayoutDQChunk{}),
       mQ.shape(),
       mK.shape(),
+      int32_t(dq_accum_rows),
       static_cast<Element*>(p.dk_ptr),
       static_cast<Element*>(p.dv_ptr),
       p.dk_batch_stride,
@@ -77,7 +85,11 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   err = cudaGetLastError();
   if (err != cudaSuccess) { return err; }
 
-  {
+  if constexpr (Traits::kSwapSdP) {
+    // dQ accumulator tiles in the dQ GEMM's register order (see bwd_dq_writer).
+    dim3 grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads, p.batch);
+    flash_bwd_postprocess_tiled_kernel<Traits><<<grid, Traits::NumMmaThreads, 0, stream>>>(p);
+  } else {
     constexpr int kThreads = 256;
     dim3 grid(cute::ceil_div(int64_t(p.seqlen_q) * kHeadDim / 8, int64_t(kThreads)), p.nheads, p.batch);
     flash_bwd_postprocess_kernel<Element, kHeadDim><<<grid, kThreads, 0, stream>>>(p);

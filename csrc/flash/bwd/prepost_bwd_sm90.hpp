@@ -11,6 +11,8 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 
+#include <cute/tensor.hpp>
+
 #include "flash/params.hpp"
 
 namespace flash {
@@ -66,6 +68,51 @@ __global__ void flash_bwd_postprocess_kernel(BwdParams const p) {
   for (int i = 0; i < kVec; ++i) { out[i] = Element(a[i] * p.softmax_scale); }
   *reinterpret_cast<cutlass::Array<Element, kVec>*>(static_cast<Element*>(p.dq_ptr) + bidb * p.dq_batch_stride +
                                                     row * p.dq_row_stride + bidh * p.dq_head_stride + col) = out;
+}
+
+// Postprocess for the kSwapSdP main kernel, whose dQ accumulator holds each (kBlockM, head_dim) tile in the register
+// order of its dQ GEMM: value i of consumer thread t at [(i / 4) * 128 + t % 128] * 4 + i % 4 of warpgroup t / 128's
+// half. One CTA per tile, one thread per consumer thread: read that order, place the values through shared memory,
+// write whole rows with 16-byte stores.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::NumMmaThreads)
+    flash_bwd_postprocess_tiled_kernel(BwdParams const p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::NumMmaThreads;
+  constexpr int kPad = 8;  // elements: staggers rows across banks
+  __shared__ __align__(16) Element tile[kBlockM][kHeadDim + kPad];
+  int const m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+  int const t = threadIdx.x, wg = t / cutlass::NumThreadsPerWarpGroup, wg_tidx = t % cutlass::NumThreadsPerWarpGroup;
+
+  typename Traits::TiledMmadQ tiled_mma_dq;
+  Tensor tdQcdQ = tiled_mma_dq.get_thread_slice(t).partition_C(
+      cute::make_identity_tensor(cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  constexpr int kValues = decltype(cute::size(tdQcdQ))::value;
+  float const* src = p.dq_accum_ptr +
+                     ((int64_t(bidb) * p.nheads + bidh) * p.seqlen_q_rounded + int64_t(m_block) * kBlockM) * kHeadDim +
+                     wg * Traits::kDQChunkFloats;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kValues; i += 4) {
+    float4 const v = *reinterpret_cast<float4 const*>(src + (i * cutlass::NumThreadsPerWarpGroup + 4 * wg_tidx));
+    float const vals[4] = {v.x, v.y, v.z, v.w};
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      auto const coord = tdQcdQ(i + k);
+      tile[cute::get<0>(coord)][cute::get<1>(coord)] = Element(vals[k] * p.softmax_scale);
+    }
+  }
+  __syncthreads();
+  constexpr int kVec = 8, kChunksPerRow = kHeadDim / kVec;
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = t; c < kBlockM * kChunksPerRow; c += kThreads) {
+    int const r = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
+    int const row = m_block * kBlockM + r;
+    if (row < p.seqlen_q) {
+      *reinterpret_cast<cutlass::Array<Element, kVec>*>(static_cast<Element*>(p.dq_ptr) + bidb * p.dq_batch_stride +
+                                                        row * p.dq_row_stride + bidh * p.dq_head_stride + col) =
+          *reinterpret_cast<cutlass::Array<Element, kVec> const*>(&tile[r][col]);
+    }
+  }
 }
 
 }  // namespace flash
