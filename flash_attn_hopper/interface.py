@@ -38,15 +38,10 @@ def _check_tensor_args(q, k, v):
     nheads_k = k.shape[2]
     if v.shape[2] != nheads_k:
         raise ValueError(f"v has {v.shape[2]} heads but k has {nheads_k}; k and v must have the same nheads_k")
-    if nheads_k != nheads:
-        if nheads_k > 0 and nheads % nheads_k == 0:
-            raise NotImplementedError(
-                f"k has {nheads_k} heads for q's {nheads}: grouped-query / multi-query attention (nheads_k < nheads) "
-                "is not implemented yet; repeat k and v to nheads heads meanwhile"
-            )
+    if nheads_k == 0 and nheads != 0 or nheads_k != 0 and nheads % nheads_k != 0:
         raise ValueError(
-            f"k has {nheads_k} heads but q has {nheads}; q's nheads must equal nheads_k (or, once GQA/MQA is built, "
-            "be a multiple of it)"
+            f"k has {nheads_k} heads but q has {nheads}; q's nheads must be a multiple of k's and v's nheads_k "
+            "(equal for multi-head attention, smaller for grouped-query / multi-query attention)"
         )
     for name, t in (("k", k), ("v", v)):
         if t.shape[3] != head_dim:
@@ -119,8 +114,10 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
 
     Args:
         q: ``(batch, seqlen_q, nheads, head_dim)``, torch.float16 or torch.bfloat16, on an sm90 CUDA device.
-        k: ``(batch, seqlen_k, nheads, head_dim)``, same dtype and device as q.
-        v: ``(batch, seqlen_k, nheads, head_dim)``, same dtype and device as q.
+        k: ``(batch, seqlen_k, nheads_k, head_dim)``, same dtype and device as q. nheads_k divides nheads:
+            grouped-query / multi-query attention when smaller, query head h reading K/V head
+            ``h // (nheads // nheads_k)``; dK and dV sum over the query heads of a group inside the kernel (fp32).
+        v: ``(batch, seqlen_k, nheads_k, head_dim)``, same dtype and device as q.
             head_dim is 64, 128 or 256; seqlen_q, seqlen_k >= 0 and may differ. Only the last dimension must
             be contiguous (stride 1); other strides are read in place (q, k, v may be slices of one packed
             tensor) when they are multiples of 16 bytes and the base is 16-byte aligned, otherwise the tensor
@@ -138,8 +135,8 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
     Raises:
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
             softmax_scale is not a real number.
-        NotImplementedError: nheads_k < nheads with nheads a multiple of nheads_k (GQA/MQA, not built yet).
-        ValueError: rank is not 4; batch, nheads or head_dim differ between q, k, v; seqlen_k differs between
+        ValueError: rank is not 4; batch or head_dim differ between q, k, v; k and v differ in nheads_k, or
+            nheads is not a multiple of nheads_k; seqlen_k differs between
             k and v; batch or nheads above 65535; head_dim is not 64/128/256 (or not in this build); the last
             dimension's stride is not 1;
             a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;

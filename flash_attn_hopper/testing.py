@@ -13,10 +13,18 @@ def causal_mask(seqlen_q, seqlen_k, device=None):
     return j <= i + (seqlen_k - seqlen_q)
 
 
+def repeat_kv(k, nheads):
+    """GQA/MQA: (batch, seqlen, nheads_k, head_dim) -> (batch, seqlen, nheads, head_dim), query head h reading
+    K/V head h // (nheads // nheads_k). The identity when nheads_k == nheads."""
+    nheads_k = k.shape[2]
+    return k if nheads_k == nheads else k.repeat_interleave(nheads // nheads_k, dim=2)
+
+
 def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True):
     """Plain attention in the layout of flash_attn_hopper.attention.
 
-    q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads, head_dim).
+    q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim), nheads_k dividing
+    nheads (GQA/MQA: K/V heads repeated, so autograd sums dK/dV over each group).
     upcast=True computes in float32 (float64 inputs stay float64); upcast=False computes in the input dtype,
     the naive same-precision reference whose error sets the tolerance.
     Returns (out in the compute dtype, lse float32 (batch, nheads, seqlen_q)). A row that sees no key gets
@@ -25,6 +33,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True):
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     head_dim = q.shape[-1]
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if causal:
@@ -106,12 +115,14 @@ def attention_bwd_ref(q, k, v, dout, softmax_scale=None, causal=False, upcast=Tr
 
     A row that sees no key has LSE -inf and P = 0 (not exp(-inf + inf) = NaN), so its dQ row is 0 and it adds
     nothing to dK and dV. Layouts as ``attention_ref``: q (batch, seqlen_q, nheads, head_dim), k and v
-    (batch, seqlen_k, nheads, head_dim), dout like q. upcast=True computes in float32 (float64 stays float64);
+    (batch, seqlen_k, nheads_k, head_dim) (GQA/MQA: dK and dV summed over the query heads of each group), dout like q. upcast=True computes in float32 (float64 stays float64);
     upcast=False in the input dtype. Returns (dq, dk, dv) in the compute dtype.
     """
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
     dout = dout.to(q.dtype)
+    batch, seqlen_k, nheads_k, head_dim = k.shape
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     alpha = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * alpha
     if causal:
@@ -126,4 +137,7 @@ def attention_bwd_ref(q, k, v, dout, softmax_scale=None, causal=False, upcast=Tr
     ds = p * (dp - d)
     dq = alpha * torch.einsum("bhqk,bkhd->bqhd", ds, k)
     dk = alpha * torch.einsum("bhqk,bqhd->bkhd", ds, q)
+    group = q.shape[2] // max(nheads_k, 1)
+    dk = dk.reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3)
+    dv = dv.reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3)
     return dq, dk, dv

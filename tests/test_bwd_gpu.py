@@ -14,7 +14,7 @@ import torch
 
 import flash_attn_hopper
 from flash_attn_hopper import attention
-from flash_attn_hopper.testing import assert_close_by_rule, attention_ref_grads, causal_mask
+from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads, causal_mask
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -435,3 +435,32 @@ def test_bwd_peak_memory(record_property):
     ref = attention_ref_grads(q[:, rows], k, v, dout[:, rows])[0]
     naive = attention_ref_grads(q[:, rows], k, v, dout[:, rows], upcast=False)[0]
     assert_close_by_rule(dq[:, rows], ref, naive, "dq rows")
+
+
+# ---------------------------------------------------------------------------------------------------- GQA / MQA
+
+
+@pytest.mark.parametrize("nheads_k", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (113, 203), (203, 113), (1023, 1024)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gqa_fwd_bwd_match_reference(dtype, head_dim, causal, seqlen_q, seqlen_k, nheads_k):
+    """nheads 6 over nheads_k 2 (groups of 3) and 1 (MQA): out and LSE by the rule, then dQ, dK, dV, with dK and dV
+    summed over the query heads of each group (the reference repeats K/V heads; autograd sums). Inputs unmodified."""
+    _require_built(head_dim, dtype)
+    batch, nheads = 2, 6
+    q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k, v = (_randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    before = [t.clone() for t in (q, k, v, dout)]
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, upcast=True)
+    naive, naive_lse = attention_ref(q, k, v, causal=causal, upcast=False)
+    assert out.shape == q.shape and lse.shape == (batch, nheads, seqlen_q)
+    assert_close_by_rule(out, ref, naive, "gqa out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, "gqa lse")
+    _, grads = _backward(q, k, v, dout, causal=causal)
+    _check_grads(grads, q, k, v, dout, causal=causal, name=f"gqa nheads_k={nheads_k}")
+    for t, b in zip((q, k, v, dout), before):
+        assert torch.equal(t, b), "inputs must not be modified"

@@ -319,3 +319,28 @@ def test_rule_rejects_when_naive_reference_is_infinite():
     naive[0, 0, 0, 0] = float("inf")  # e.g. a naive fp16 reference that overflowed
     with pytest.raises(AssertionError):
         assert_close_by_rule(torch.zeros_like(ref, dtype=torch.float16) + 100, ref, naive, "out")
+
+
+@pytest.mark.parametrize("nheads_k", [1, 2], ids=["mqa", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_references_match_sdpa_with_repeated_heads_float64(nheads_k, causal):
+    """GQA/MQA: query head h reads K/V head h // (nheads // nheads_k). An independent check: SDPA on K/V heads
+    repeated by hand (index_select, not repeat_kv), whose autograd sums dK/dV over each group."""
+    nheads, seqlen_q, seqlen_k, head_dim, scale = 6, 13, 21, 16, 0.25
+    q = _rand(BATCH, seqlen_q, nheads, head_dim)
+    k, v = (_rand(BATCH, seqlen_k, nheads_k, head_dim) for _ in range(2))
+    dout = _rand(BATCH, seqlen_q, nheads, head_dim)
+    head_of = torch.arange(nheads) // (nheads // nheads_k)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    mask = causal_mask(seqlen_q, seqlen_k) if causal else None
+    expected_out = _sdpa(leaves[0], leaves[1].index_select(2, head_of), leaves[2].index_select(2, head_of), scale, mask)
+    if causal:  # rows that see no key: SDPA gives NaN, the references 0 (DESIGN.md); none here since seqlen_k > seqlen_q
+        assert causal_mask(seqlen_q, seqlen_k).any(dim=1).all()
+    expected_grads = torch.autograd.grad(expected_out, leaves, dout)
+    out, _ = attention_ref(q, k, v, softmax_scale=scale, causal=causal)
+    torch.testing.assert_close(out, expected_out.detach(), **F64_TOL)
+    for name, got_all in (("equations", attention_bwd_ref(q, k, v, dout, softmax_scale=scale, causal=causal)),
+                          ("autograd", attention_ref_grads(q, k, v, dout, softmax_scale=scale, causal=causal))):
+        for g, e, like, gname in zip(got_all, expected_grads, (q, k, v), ("dq", "dk", "dv")):
+            assert g.shape == like.shape, (name, gname)
+            torch.testing.assert_close(g, e, **F64_TOL, msg=lambda m: f"{name} {gname}: {m}")

@@ -209,11 +209,13 @@ def test_mask_rejected(fah_tf, spy, mask):
 
 
 @requires_transformers
-def test_gqa_rejected_naming_nheads_k(fah_tf, spy):
+def test_gqa_passed_to_the_kernel_unrepeated(fah_tf, spy):
+    spy.fail = False
     q, k, v = _qkv(heads=4, heads_k=2)
-    with pytest.raises(NotImplementedError, match=r"nheads_k=2 .*nheads=4"):
-        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None)
-    assert not spy.calls
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None)
+    (call,) = spy.calls
+    assert call["q"].shape == (2, 8, 4, 64) and call["k"].shape == (2, 8, 2, 64) and call["v"].shape == (2, 8, 2, 64)
+    assert call["k"].data_ptr() == k.data_ptr()  # a view of transformers' tensor, not a repeated copy
 
 
 @requires_transformers
@@ -346,11 +348,11 @@ def test_model_dropout_raises(fah_tf, spy, allow_float32):
 
 
 @requires_transformers
-def test_model_gqa_raises(fah_tf, spy, allow_float32):
+def test_model_gqa_reaches_the_kernel_with_nheads_k(fah_tf, spy, allow_float32):
     model = _model(_tiny_config(num_attention_heads=4, num_key_value_heads=2, hidden_size=256), NAME)
-    with pytest.raises(NotImplementedError, match="nheads_k=2"):
-        model(input_ids=torch.randint(0, 97, (1, 8)), use_cache=False)
-    assert not spy.calls
+    spy.fail = False
+    model(input_ids=torch.randint(0, 97, (1, 8)), use_cache=False)
+    assert spy.calls and all(c["q"].shape[2] == 4 and c["k"].shape[2] == 2 for c in spy.calls)
 
 
 # -------------------------------------------------------------------------- end to end with the reference attention

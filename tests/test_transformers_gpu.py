@@ -53,7 +53,7 @@ def _require_hdim64_bf16():
         pytest.skip("head_dim 64 / bf16 not in this build (FAH_HDIMS/FAH_DTYPES)")
 
 
-def _config():
+def _config(num_key_value_heads=4):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -61,38 +61,40 @@ def _config():
         intermediate_size=688,
         num_hidden_layers=2,
         num_attention_heads=4,  # head_dim 64
-        num_key_value_heads=4,
+        num_key_value_heads=num_key_value_heads,  # 4: MHA; 2: grouped-query attention (groups of 2)
         vocab_size=VOCAB,
         max_position_embeddings=512,
         attention_dropout=0.0,
     )
 
 
-def _build(attn_implementation, dtype, state):
+def _build(attn_implementation, dtype, state, config):
     """A model of a fresh copy of the config (from_config writes attn_implementation into the config it gets)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(
-        copy.deepcopy(_config()), attn_implementation=attn_implementation, dtype=dtype
+        copy.deepcopy(config), attn_implementation=attn_implementation, dtype=dtype
     )
     assert model.config._attn_implementation == attn_implementation
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
     return model.cuda()
 
 
-@pytest.fixture
-def models():
-    """(ours bf16, sdpa bf16, reference sdpa fp32), same weights: drawn in float32 and rounded to bfloat16."""
+@pytest.fixture(params=[4, 2], ids=["mha", "gqa"])
+def models(request):
+    """(ours bf16, sdpa bf16, reference sdpa fp32), same weights: drawn in float32 and rounded to bfloat16. Every
+    test runs with 4 key/value heads (MHA) and with 2 (grouped-query attention, Llama-style)."""
     from transformers import AutoModelForCausalLM
 
     _require_hdim64_bf16()
     torch.manual_seed(0)
-    init = AutoModelForCausalLM.from_config(copy.deepcopy(_config()), attn_implementation="sdpa", dtype=torch.float32)
+    config = _config(num_key_value_heads=request.param)
+    init = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float32)
     state = {k: v.to(torch.bfloat16) for k, v in init.state_dict().items()}
     return (
-        _build(NAME, torch.bfloat16, state),
-        _build("sdpa", torch.bfloat16, state),
-        _build("sdpa", torch.float32, state),
+        _build(NAME, torch.bfloat16, state, config),
+        _build("sdpa", torch.bfloat16, state, config),
+        _build("sdpa", torch.float32, state, config),
     )
 
 
@@ -153,8 +155,8 @@ def test_autocast_float32_weights_match_sdpa(models):
     """float32 weights under bf16 autocast (the training example's setting): Llama hands the attention float32 query
     and key (rotary embedding in float32) and a bfloat16 value; the integration casts like autocast does for SDPA."""
     _, _, ref = models
-    ours = _build(NAME, torch.float32, ref.state_dict())
-    sdpa = _build("sdpa", torch.float32, ref.state_dict())
+    ours = _build(NAME, torch.float32, ref.state_dict(), ref.config)
+    sdpa = _build("sdpa", torch.float32, ref.state_dict(), ref.config)
     ids = torch.randint(0, VOCAB, (BATCH, SEQLEN), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logits, grads = _run(ours, ids)

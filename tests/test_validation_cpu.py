@@ -118,7 +118,7 @@ def test_seqlen_k_mismatch(name):
 def test_nheads_k_not_dividing_nheads():
     q, k, v = _qkv()  # H = 3 query heads
     k2, v2 = _shape_with(k, 2, 2), _shape_with(v, 2, 2)
-    with pytest.raises(ValueError, match=rf"^k has 2 heads but q has {H}; q's nheads must equal nheads_k"):
+    with pytest.raises(ValueError, match=rf"^k has 2 heads but q has {H}; q's nheads must be a multiple of"):
         attention(q, k2, v2)
 
 
@@ -128,10 +128,17 @@ def test_nheads_k_differs_between_k_and_v():
         attention(q, k, _shape_with(v, 2, 1))
 
 
-def test_gqa_not_implemented_yet():
-    q, k, v = _qkv()  # H = 3 query heads; 1 KV head is valid MQA, not built yet
-    with pytest.raises(NotImplementedError, match=rf"^k has 1 heads for q's {H}: grouped-query"):
-        attention(q, _shape_with(k, 2, 1), _shape_with(v, 2, 1))
+@pytest.mark.parametrize("nheads_k", [1, H])
+def test_gqa_mqa_shapes_pass_the_shape_checks(nheads_k):
+    q, k, v = _qkv()  # H = 3 query heads: nheads_k 1 is MQA; 3 is MHA
+    k, v = _shape_with(k, 2, nheads_k), _shape_with(v, 2, nheads_k)
+    interface._check_tensor_args(q, k, v)  # no exception: the shapes are valid
+
+
+def test_zero_kv_heads_need_zero_query_heads():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=rf"^k has 0 heads but q has {H}"):
+        attention(q, _shape_with(k, 2, 0), _shape_with(v, 2, 0))
 
 
 @pytest.mark.parametrize("name", ["k", "v"])

@@ -82,8 +82,15 @@ void check_qkv(at::Tensor const& t, char const* name, at::Tensor const& q) {
   TORCH_CHECK(t.device() == q.device(), name, " must be on the same device as q");
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have the dtype of q");
   TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (batch, seqlen, nheads, head_dim)");
-  TORCH_CHECK(t.size(0) == q.size(0) && t.size(2) == q.size(2) && t.size(3) == q.size(3), name,
-              " must match q in batch, nheads and head_dim");
+  TORCH_CHECK(t.size(0) == q.size(0) && t.size(3) == q.size(3), name, " must match q in batch and head_dim");
+}
+
+// k and v share nheads_k, which divides q's nheads (GQA/MQA when smaller).
+void check_kv_heads(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
+  int64_t const nheads = q.size(2), nheads_k = k.size(2);
+  TORCH_CHECK(v.size(2) == nheads_k, "k and v must have the same nheads_k");
+  TORCH_CHECK(nheads_k == 0 ? nheads == 0 : nheads % nheads_k == 0,
+              "q's nheads must be a multiple of k's and v's nheads_k, got ", nheads, " and ", nheads_k);
 }
 
 // Development knob for measuring the forward's ping-pong scheduling: FAH_FWD_PINGPONG=0 turns it off.
@@ -125,6 +132,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
   check_qkv(q_in, "q", q_in);
   check_qkv(k_in, "k", q_in);
   check_qkv(v_in, "v", q_in);
+  check_kv_heads(q_in, k_in, v_in);
   TORCH_CHECK(k_in.size(1) == v_in.size(1), "k and v must have the same seqlen_k");
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
@@ -155,7 +163,8 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
   p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
   p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
-  p.batch = batch, p.nheads = nheads, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim;
+  p.batch = batch, p.nheads = nheads, p.nheads_k = int(k.size(2)), p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.head_dim = head_dim;
   p.softmax_scale = float(softmax_scale);
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
   p.is_causal = causal;
@@ -177,6 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   check_qkv(v_in, "v", q_in);
   check_qkv(out_in, "out", q_in);
   check_qkv(dout_in, "dout", q_in);
+  check_kv_heads(q_in, k_in, v_in);
   TORCH_CHECK(out_in.sizes() == q_in.sizes() && dout_in.sizes() == q_in.sizes(),
               "out and dout must have the shape of q");
   TORCH_CHECK(k_in.size(1) == v_in.size(1), "k and v must have the same seqlen_k");
@@ -210,6 +220,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   at::Tensor dq_accum = at::zeros({batch, nheads, seqlen_q_rounded, head_dim}, f32);
   at::Tensor lse_log2 = at::empty({batch, nheads, seqlen_q_rounded}, f32);
   at::Tensor dpsum = at::empty({batch, nheads, seqlen_q_rounded}, f32);
+  // GQA/MQA: the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
+  int const nheads_k = k.size(2);
+  bool const gqa = nheads_k != nheads;
+  at::Tensor dk_accum, dv_accum;
+  if (gqa) {
+    dk_accum = at::zeros({batch, seqlen_k, nheads_k, head_dim}, f32);
+    dv_accum = at::zeros({batch, seqlen_k, nheads_k, head_dim}, f32);
+  }
 
   flash::BwdParams p{};
   p.q_ptr = q.data_ptr();
@@ -224,6 +242,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   p.dq_accum_ptr = dq_accum.data_ptr<float>();
   p.lse_log2_ptr = lse_log2.data_ptr<float>();
   p.dpsum_ptr = dpsum.data_ptr<float>();
+  p.dk_accum_ptr = gqa ? dk_accum.data_ptr<float>() : nullptr;
+  p.dv_accum_ptr = gqa ? dv_accum.data_ptr<float>() : nullptr;
   p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
   p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
@@ -232,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
   p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
   p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
-  p.batch = batch, p.nheads = nheads, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.batch = batch, p.nheads = nheads, p.nheads_k = nheads_k, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
   p.seqlen_q_rounded = seqlen_q_rounded, p.head_dim = head_dim;
   p.softmax_scale = float(softmax_scale);
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
@@ -240,6 +260,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
 
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper backward launch failed: ", cudaGetErrorString(err));
+  if (gqa) {
+    dk.copy_(dk_accum);
+    dv.copy_(dv_accum);
+  }
   return {dq, dk, dv};
 }
 

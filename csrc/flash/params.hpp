@@ -6,7 +6,8 @@
 namespace flash {
 
 struct FwdParams {
-  // q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads, head_dim); last dim stride 1.
+  // q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim); last dim stride 1.
+  // nheads_k divides nheads: query head h reads K/V head h / (nheads / nheads_k) (GQA/MQA; MHA when equal).
   void const* q_ptr;
   void const* k_ptr;
   void const* v_ptr;
@@ -20,6 +21,7 @@ struct FwdParams {
 
   int batch;
   int nheads;
+  int nheads_k;
   int seqlen_q;
   int seqlen_k;
   int head_dim;
@@ -39,8 +41,12 @@ struct BwdParams {
   void const* do_ptr;
   float const* lse_ptr;  // (batch, nheads, seqlen_q) contiguous, natural log, from the forward
   void* dq_ptr;          // (batch, seqlen_q, nheads, head_dim), written
-  void* dk_ptr;          // (batch, seqlen_k, nheads, head_dim), written
-  void* dv_ptr;          // (batch, seqlen_k, nheads, head_dim), written
+  void* dk_ptr;          // (batch, seqlen_k, nheads_k, head_dim), written (MHA only)
+  void* dv_ptr;          // (batch, seqlen_k, nheads_k, head_dim), written (MHA only)
+  // GQA/MQA (nheads_k < nheads): the query heads of a group add their dK (already scaled) and dV into these
+  // zeroed fp32 (batch, seqlen_k, nheads_k, head_dim) contiguous buffers instead; the host converts them.
+  float* dk_accum_ptr;
+  float* dv_accum_ptr;
 
   // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to kBwdSeqlenQRounding = 128):
   float* dq_accum_ptr;  // (batch, nheads, seqlen_q_rounded, head_dim) fp32, zeroed before the main kernel
@@ -58,6 +64,7 @@ struct BwdParams {
 
   int batch;
   int nheads;
+  int nheads_k;
   int seqlen_q;
   int seqlen_k;
   int seqlen_q_rounded;

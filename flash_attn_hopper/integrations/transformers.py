@@ -18,7 +18,7 @@ Usage::
   (``masking_utils._preprocess_mask_arguments`` returns None for names it has no mask function for), so a padded
   batch would silently attend to its padding.
 
-What it supports today: self-attention with nheads_k == nheads (no GQA/MQA yet), causal or not, any softmax scale,
+What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, any softmax scale,
 fp16/bf16 (or fp32 under ``torch.autocast``), head_dim 64/128/256, no padding (attention_mask None or all ones), a
 DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in transformers' flash-attention path).
 Everything else raises a Python exception, naming what is unsupported, before any kernel runs.
@@ -79,7 +79,8 @@ def flash_attn_hopper_attention_forward(
         module: the calling attention module. Read: ``is_causal`` (used when the ``is_causal`` argument is None;
             default True) and, for messages, ``layer_idx``.
         query: ``(batch, nheads, seqlen_q, head_dim)``.
-        key, value: ``(batch, nheads_k, seqlen_k, head_dim)``; nheads_k must equal nheads in this version.
+        key, value: ``(batch, nheads_k, seqlen_k, head_dim)``; nheads_k divides nheads (grouped-query / multi-query
+            attention when smaller: passed to the kernel as they are, never repeated in memory).
             Dtypes: float16 or bfloat16 (all three the same). Under ``torch.autocast`` on the tensors' device, every
             input is first cast to the autocast dtype, as autocast does for SDPA: with float32 weights, Llama's query
             and key are float32 after the rotary embedding while value is already bfloat16. Only the last dimension
@@ -106,7 +107,7 @@ def flash_attn_hopper_attention_forward(
         ValueError: ``attention_mask`` is not None (padding masks belong to the variable-length path, not available
             yet); ``dropout`` is not 0; and, from ``flash_attn_hopper.attention``, bad shapes, head_dim not
             64/128/256, tensors not on an sm90 CUDA device.
-        NotImplementedError: nheads_k != nheads (grouped-query / multi-query attention), a sliding window, a softcap,
+        NotImplementedError: a sliding window, a softcap,
             attention sinks (``s_aux``), a position bias, or variable-length (padding-free) keyword arguments.
         TypeError: a dtype other than float16/bfloat16 outside autocast (for example a float32 model: load it with
             ``dtype=torch.bfloat16`` or run it under ``torch.autocast("cuda", dtype=torch.bfloat16)``).
@@ -126,12 +127,6 @@ def flash_attn_hopper_attention_forward(
             "attention without padding only (an all-ones 2D attention_mask is dropped before it gets here, so this "
             "one masks padding, or is a 4D or custom mask). Padding masks need the variable-length path, which is not "
             "available yet: use batches without padding, or attn_implementation='sdpa' for padded batches."
-        )
-    if key.shape[1] != query.shape[1] or value.shape[1] != query.shape[1]:
-        raise NotImplementedError(
-            f"{_where(module)}: key/value have nheads_k={key.shape[1]} heads for nheads={query.shape[1]} query heads; "
-            "grouped-query and multi-query attention (nheads_k != nheads) are not supported by this version. "
-            "Use num_key_value_heads == num_attention_heads, or attn_implementation='sdpa'."
         )
     unsupported = {
         "sliding_window": sliding_window,

@@ -23,6 +23,10 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       Cfg::kSwapSdP, BwdSwapKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages>,
       BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>>;
   if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
+  bool const gqa = p.nheads_k != p.nheads;
+  if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || gqa != (p.dk_accum_ptr != nullptr)) {
+    return cudaErrorInvalidValue;
+  }
 
   {
     constexpr int kWarps = 8;
@@ -32,13 +36,13 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
     if (err != cudaSuccess) { return err; }
   }
 
-  auto gmem = [&](void const* ptr, int seqlen, int64_t row, int64_t head, int64_t batch) {
-    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, p.nheads, p.batch, row, head, batch);
+  auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
+    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, p.batch, row, head, batch);
   };
-  auto mQ = gmem(p.q_ptr, p.seqlen_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mdO = gmem(p.do_ptr, p.seqlen_q, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
-  auto mK = gmem(p.k_ptr, p.seqlen_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = gmem(p.v_ptr, p.seqlen_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mQ = gmem(p.q_ptr, p.seqlen_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mdO = gmem(p.do_ptr, p.seqlen_q, p.nheads, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
+  auto mK = gmem(p.k_ptr, p.seqlen_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = gmem(p.v_ptr, p.seqlen_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   auto kv_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
@@ -68,7 +72,10 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       p.dq_accum_ptr,
       p.lse_log2_ptr,
       p.dpsum_ptr,
+      p.dk_accum_ptr,
+      p.dv_accum_ptr,
       p.nheads,
+      p.nheads_k,
       p.seqlen_q,
       p.seqlen_k,
       p.seqlen_q_rounded,

@@ -94,6 +94,7 @@ struct FwdKernelTraits {
     int64_t o_batch_stride, o_row_stride, o_head_stride;
     float* lse_ptr;
     int nheads, seqlen_q, seqlen_k;
+    int qheads_per_kvhead;  // GQA/MQA group size (1 for MHA)
     float softmax_scale, softmax_scale_log2;
     bool is_causal;
     bool pingpong;
@@ -114,8 +115,9 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});  // (N, d, stages)
 
   Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);  // (seqlen_q, d)
-  Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh, bidb);  // (seqlen_k, d)
-  Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh, bidb);  // (seqlen_k, d)
+  int const bidh_kv = bidh / params.qheads_per_kvhead;
+  Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb);  // (seqlen_k, d)
+  Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb);  // (seqlen_k, d)
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));  // (M, d)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n_blocks)
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n_blocks)

@@ -17,12 +17,13 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   using Cfg = FwdTileConfig<kHeadDim>;
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap>;
   if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
-  auto gmem = [&](void const* ptr, int seqlen, int64_t row, int64_t head, int64_t batch) {
-    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, p.nheads, p.batch, row, head, batch);
+  if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0) { return cudaErrorInvalidValue; }
+  auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
+    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, p.batch, row, head, batch);
   };
-  auto mQ = gmem(p.q_ptr, p.seqlen_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mK = gmem(p.k_ptr, p.seqlen_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = gmem(p.v_ptr, p.seqlen_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mQ = gmem(p.q_ptr, p.seqlen_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mK = gmem(p.k_ptr, p.seqlen_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = gmem(p.v_ptr, p.seqlen_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 
   typename Traits::Params kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{},
@@ -41,6 +42,7 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       p.nheads,
       p.seqlen_q,
       p.seqlen_k,
+      p.nheads / p.nheads_k,
       p.softmax_scale,
       p.softmax_scale_log2,
       p.is_causal,
