@@ -315,6 +315,51 @@ CUTLASS_DEVICE void store_rows(TensorAcc const& acc, TensorCoord const& coord, E
   }
 }
 
+// Adds an accumulator fragment (times `scale`) into a (seqlen, head_dim) slice of an fp32 buffer with float2
+// atomics, rows at or past `row_limit` skipped.
+template <class TensorAcc, class TensorCoord>
+CUTLASS_DEVICE void add_rows(TensorAcc const& acc, TensorCoord const& coord, float* base, int64_t row_stride,
+                             int row_offset, int row_limit, float scale) {
+  Tensor a = make_tensor(acc.data(), acc_rowcol(acc.layout()));
+  Tensor c = make_tensor(coord.data(), acc_rowcol(coord.layout()));
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < size<0>(a); ++r) {
+    int const row = row_offset + get<0>(c(r, 0));
+    if (row < row_limit) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(a); j += 2) {
+        atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + get<1>(c(r, j))),
+                  make_float2(a(r, j) * scale, a(r, j + 1) * scale));
+      }
+    }
+  }
+}
+
+// Epilogue of both consumers: dV and α·dK for the keys of this block that exist (zeros when no query sees them),
+// written directly (MHA) or added into the group's fp32 sums (GQA/MQA).
+template <class Traits, class TensorAcc>
+CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc const& tdVrdV,
+                              TensorAcc const& tdKrdK, int mma_tidx, int n_block, int bidh, int bidb) {
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  typename Traits::TiledMmadKV tiled_mma_dkv;
+  Tensor tdKVcdKV =
+      tiled_mma_dkv.get_thread_slice(mma_tidx).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  int const key_offset = n_block * kBlockN;
+  if (params.dk_accum_ptr != nullptr) {
+    int const bidh_kv = bidh / (params.nheads / params.nheads_k);
+    int64_t const row_stride = int64_t(params.nheads_k) * kHeadDim;
+    int64_t const offset = (int64_t(bidb) * params.seqlen_k * params.nheads_k + bidh_kv) * kHeadDim;
+    add_rows(tdVrdV, tdKVcdKV, params.dv_accum_ptr + offset, row_stride, key_offset, params.seqlen_k, 1.f);
+    add_rows(tdKrdK, tdKVcdKV, params.dk_accum_ptr + offset, row_stride, key_offset, params.seqlen_k,
+             params.softmax_scale);
+  } else {
+    store_rows(tdVrdV, tdKVcdKV, params.dv_ptr + bidb * params.dv_batch_stride + bidh * params.dv_head_stride,
+               params.dv_row_stride, key_offset, params.seqlen_k, 1.f);
+    store_rows(tdKrdK, tdKVcdKV, params.dk_ptr + bidb * params.dk_batch_stride + bidh * params.dk_head_stride,
+               params.dk_row_stride, key_offset, params.seqlen_k, params.softmax_scale);
+  }
+}
+
 // dQ writer warp of the kSwapSdP variant: for each Q tile, adds each warpgroup's dQ chunk from shared memory into
 // the fp32 workspace (TMA reduce-add, one elected lane), then hands the chunk back once TMA has read it.
 template <class Traits>
@@ -482,51 +527,6 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
   }
 
   store_dkv<Traits>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, bidb);
-}
-
-// Adds an accumulator fragment (times `scale`) into a (seqlen, head_dim) slice of an fp32 buffer with float2
-// atomics, rows at or past `row_limit` skipped.
-template <class TensorAcc, class TensorCoord>
-CUTLASS_DEVICE void add_rows(TensorAcc const& acc, TensorCoord const& coord, float* base, int64_t row_stride,
-                             int row_offset, int row_limit, float scale) {
-  Tensor a = make_tensor(acc.data(), acc_rowcol(acc.layout()));
-  Tensor c = make_tensor(coord.data(), acc_rowcol(coord.layout()));
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < size<0>(a); ++r) {
-    int const row = row_offset + get<0>(c(r, 0));
-    if (row < row_limit) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(a); j += 2) {
-        atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + get<1>(c(r, j))),
-                  make_float2(a(r, j) * scale, a(r, j + 1) * scale));
-      }
-    }
-  }
-}
-
-// Epilogue of both consumers: dV and α·dK for the keys of this block that exist (zeros when no query sees them),
-// written directly (MHA) or added into the group's fp32 sums (GQA/MQA).
-template <class Traits, class TensorAcc>
-CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc const& tdVrdV,
-                              TensorAcc const& tdKrdK, int mma_tidx, int n_block, int bidh, int bidb) {
-  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  typename Traits::TiledMmadKV tiled_mma_dkv;
-  Tensor tdKVcdKV =
-      tiled_mma_dkv.get_thread_slice(mma_tidx).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  int const key_offset = n_block * kBlockN;
-  if (params.dk_accum_ptr != nullptr) {
-    int const bidh_kv = bidh / (params.nheads / params.nheads_k);
-    int64_t const row_stride = int64_t(params.nheads_k) * kHeadDim;
-    int64_t const offset = (int64_t(bidb) * params.seqlen_k * params.nheads_k + bidh_kv) * kHeadDim;
-    add_rows(tdVrdV, tdKVcdKV, params.dv_accum_ptr + offset, row_stride, key_offset, params.seqlen_k, 1.f);
-    add_rows(tdKrdK, tdKVcdKV, params.dk_accum_ptr + offset, row_stride, key_offset, params.seqlen_k,
-             params.softmax_scale);
-  } else {
-    store_rows(tdVrdV, tdKVcdKV, params.dv_ptr + bidb * params.dv_batch_stride + bidh * params.dv_head_stride,
-               params.dv_row_stride, key_offset, params.seqlen_k, 1.f);
-    store_rows(tdKrdK, tdKVcdKV, params.dk_ptr + bidb * params.dk_batch_stride + bidh * params.dk_head_stride,
-               params.dk_row_stride, key_offset, params.seqlen_k, params.softmax_scale);
-  }
 }
 
 // Consumer perspective (mma_tidx in [0, NumMmaThreads)).
