@@ -29,7 +29,7 @@ fast wrong number.
 One JSON record per run (``--json``): metadata (GPU, SM clock before and after the run from nvidia-smi, driver,
 CUDA, torch, cuDNN, triton versions, git commit) and every point's numbers. ``--compare BASELINE.json`` prints the
 per-point ratio to a baseline record and exits 1 when a point of ours is slower than the baseline by more than
-``--threshold`` (default 0.05) after re-measuring it once; points missing on either side are reported, not failed.
+``--threshold`` (default 0.05) after re-measuring it (best of REMEASURE_TRIES = 3 tries, buffers at different addresses); points missing on either side are reported, not failed.
 ``--plots DIR`` writes PNGs (TFLOP/s vs seqlen per head_dim and mask, ours against the peers, fwd and bwd; needs
 matplotlib), ``--history DIR`` a plot of ours over a folder of JSON records, ``--summary PATH`` a markdown table.
 torch, triton, matplotlib and flash_attn_hopper's extension are imported only when needed, so ``--help`` and the
@@ -37,6 +37,7 @@ record-only modes work anywhere.
 """
 
 import argparse
+import contextlib
 import copy
 import datetime
 import glob
@@ -169,8 +170,8 @@ def parse_args(argv=None):
         "--compare",
         metavar="BASELINE.json",
         default=None,
-        help="compare ours with this record; exit 1 when a point is slower by more than --threshold after one "
-        "re-measurement",
+        help="compare ours with this record; exit 1 when a point is slower by more than --threshold after re-measuring"
+        " it (best of 3 tries)",
     )
     o.add_argument(
         "--threshold",
@@ -771,6 +772,15 @@ class GpuRunner:
         torch.cuda.empty_cache()
         return rec
 
+    @contextlib.contextmanager
+    def spacer(self, attempt):
+        """Holds a device allocation of attempt x 37 MiB, so the next point's buffers land elsewhere."""
+        block = self.torch.empty(attempt * 37 << 20, dtype=self.torch.uint8, device=DEVICE) if attempt else None
+        try:
+            yield
+        finally:
+            del block
+
 
 def run_point(torch, F, fah, timer, args, spec, dtype, ours_reason):
     head_dim, causal, seqlen = spec["head_dim"], spec["causal"], spec["seqlen"]
@@ -1180,9 +1190,19 @@ def comparison_summary(cmp, baseline_path):
     }
 
 
-def make_remeasure(runner, args, doc):
-    """remeasure(keys) for compare_records: runs each point again for ours only (no correctness check), stores the
-    new numbers in doc's record under part["remeasure"]["ours"], and returns {key: TFLOP/s or None}."""
+REMEASURE_TRIES = 3
+
+
+def make_remeasure(runner, args, doc, tries=REMEASURE_TRIES):
+    """remeasure(keys) for compare_records: runs each point again for ours only (no correctness check), ``tries``
+    times with the inputs at different device addresses (a spacer allocation of a different size before each try),
+    and returns the best of the tries, {key: TFLOP/s or None}; the numbers go into doc's record under
+    part["remeasure"]["ours"] (with all tries).
+
+    Why best of several: on the H200 a point of ours can move by up to ~10 % between processes, and between two
+    measurements in one process, with the placement of its buffers (seen 2026-11-29: head_dim 128, seqlen 4096
+    forward at 641, 596, 648 and 586 TFLOP/s in four measurements, cuDNN steady within 1 %). A real regression is
+    slow in every try; a baseline or first number caught at the fast end is not a regression."""
 
     def remeasure(keys):
         by_point = {}
@@ -1196,19 +1216,29 @@ def make_remeasure(runner, args, doc):
             sub = copy.copy(args)
             sub.backends, sub.no_check = ["ours"], True
             sub.directions = [d for d in DIRECTIONS if d in dirs]
-            print(f"re-measuring {key_text(pk)} {'/'.join(sub.directions)}", file=sys.stderr, flush=True)
-            try:
-                rec = runner.run(spec, sub)
-            except Exception as e:  # noqa: BLE001 - a failed re-measure leaves the first number standing
-                print(f"  re-measure failed: {_describe(e)}", file=sys.stderr, flush=True)
-                continue
-            for d in sub.directions:
-                part = rec.get(d) or {}
-                t = part.get("tflops", {}).get("ours")
-                out[pk + (d,)] = t
+            print(f"re-measuring {key_text(pk)} {'/'.join(sub.directions)} ({tries} tries)", file=sys.stderr,
+                  flush=True)
+            tries_by_dir = {d: [] for d in sub.directions}
+            for attempt in range(tries):
+                try:
+                    with runner.spacer(attempt):
+                        rec = runner.run(spec, sub)
+                except Exception as e:  # noqa: BLE001 - a failed re-measure leaves the first number standing
+                    print(f"  re-measure failed: {_describe(e)}", file=sys.stderr, flush=True)
+                    continue
+                for d in sub.directions:
+                    part = rec.get(d) or {}
+                    t = part.get("tflops", {}).get("ours")
+                    if t is not None:
+                        tries_by_dir[d].append((t, part.get("stats", {}).get("ours")))
+            for d, got in tries_by_dir.items():
+                best = max(got, key=lambda x: x[0]) if got else (None, None)
+                out[pk + (d,)] = best[0]
                 target = recs.get(pk, {}).get(d)
                 if target is not None:
-                    target["remeasure"] = {"ours": {"tflops": t, "stats": part.get("stats", {}).get("ours")}}
+                    target["remeasure"] = {
+                        "ours": {"tflops": best[0], "stats": best[1], "tries": [t for t, _ in got]}
+                    }
         return out
 
     return remeasure

@@ -3,6 +3,7 @@ its one re-measurement, missing points, plots, summary and history, on synthetic
 measurement is replaced by a fake runner (main's runner_factory seam), so the whole CLI flow runs without a GPU."""
 
 import copy
+import contextlib
 import json
 import os
 import subprocess
@@ -273,7 +274,8 @@ def test_progress_without_bar(capsys):
 
 
 class FakeRunner:
-    """Stands in for GpuRunner: numbers from _tflops_for(scale), re-measure numbers from remeasure_scale."""
+    """Stands in for GpuRunner: numbers from _tflops_for(scale), re-measure numbers from remeasure_scale (a number,
+    or a list: one scale per re-measure try, in order)."""
 
     instances = []
 
@@ -288,6 +290,13 @@ class FakeRunner:
     def clocks(self):
         return {"sm_mhz": 1980, "max_sm_mhz": 1980}
 
+    attempt = 0
+
+    @contextlib.contextmanager
+    def spacer(self, attempt):
+        self.attempt = attempt
+        yield
+
     def support(self, feature):
         return None if feature == "dense" else f"not in flash_attn_hopper yet (fake: no {feature})"
 
@@ -295,6 +304,8 @@ class FakeRunner:
         self.calls.append((dict(spec), list(args.directions), list(args.backends), args.no_check))
         again = args.backends == ["ours"]
         scale = self.remeasure_scale if again and self.remeasure_scale is not None else self.scale
+        if isinstance(scale, list):
+            scale = scale[self.attempt]
         rec = dict(spec, batch=16384 // spec["seqlen"], nheads=2048 // spec["head_dim"], dtype=args.dtype)
         for d in args.directions:
             t = _tflops_for(spec["head_dim"], spec["causal"], spec["seqlen"], d, scale)
@@ -338,13 +349,14 @@ def test_cli_second_run_compared_with_first_passes(tmp_path, capsys):
     assert json.loads(second.read_text())["compare"]["passed"] is True
 
 
-def test_cli_doctored_baseline_fails_after_one_remeasure(tmp_path, capsys):
+def test_cli_doctored_baseline_fails_after_remeasuring(tmp_path, capsys):
     base = _write(tmp_path / "base.json", make_record(scale=1.1))
     out = tmp_path / "run.json"
     rc, runner = _main(GRID + ["--json", str(out), "--compare", base])
     assert rc == 1
     again = [c for c in runner.calls if c[2] == ["ours"]]
-    assert len(again) == 8 and all(c[1] == ["fwd", "bwd"] and c[3] for c in again)  # once per point, no check
+    # REMEASURE_TRIES tries per point, fwd and bwd together, no correctness check.
+    assert len(again) == 8 * nb.REMEASURE_TRIES and all(c[1] == ["fwd", "bwd"] and c[3] for c in again)
     text = capsys.readouterr().out
     last = [line for line in text.splitlines() if line.startswith("compare:")][-1]
     assert last.startswith("compare: FAIL") and "head_dim=128 causal=yes seqlen=4096 bwd" in last
@@ -352,6 +364,7 @@ def test_cli_doctored_baseline_fails_after_one_remeasure(tmp_path, capsys):
     assert doc["compare"]["passed"] is False and len(doc["compare"]["regressions"]) == 16
     rec = next(r for r in doc["results"] if r["feature"] == "dense")
     assert rec["fwd"]["remeasure"]["ours"]["tflops"] == pytest.approx(rec["fwd"]["tflops"]["ours"])
+    assert len(rec["fwd"]["remeasure"]["ours"]["tries"]) == nb.REMEASURE_TRIES
 
 
 def test_cli_noise_cleared_by_remeasure(tmp_path, capsys):
@@ -359,10 +372,24 @@ def test_cli_noise_cleared_by_remeasure(tmp_path, capsys):
     rc, runner = _main(GRID + ["--json", str(tmp_path / "r.json"), "--compare", base], scale=0.9,
                        remeasure_scale=1.0)
     assert rc == 0
-    assert len([c for c in runner.calls if c[2] == ["ours"]]) == 8
+    assert len([c for c in runner.calls if c[2] == ["ours"]]) == 8 * nb.REMEASURE_TRIES
     assert "compare: PASS: 16 points of ours within 5% of base.json (16 only after re-measuring)" in (
         capsys.readouterr().out
     )
+
+
+def test_cli_remeasure_takes_the_best_try(tmp_path, capsys):
+    """A point slow at first and in the first re-measure tries but back at the baseline in the last is noise (the
+    placement-dependent spread seen on the H200); slow in every try would be a regression (test above)."""
+    base = _write(tmp_path / "base.json", make_record())
+    slow_then_fast = [0.9] * (nb.REMEASURE_TRIES - 1) + [1.0]
+    rc, _ = _main(GRID + ["--json", str(tmp_path / "r.json"), "--compare", base], scale=0.9,
+                  remeasure_scale=slow_then_fast)
+    assert rc == 0
+    assert "compare: PASS" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    tries = doc["results"][0]["fwd"]["remeasure"]["ours"]["tries"]
+    assert len(tries) == nb.REMEASURE_TRIES and max(tries) == doc["results"][0]["fwd"]["remeasure"]["ours"]["tflops"]
 
 
 def test_help_and_input_mode_without_torch(tmp_path):
