@@ -1156,7 +1156,7 @@ def format_comparison(cmp, baseline_name="baseline"):
             + "; ".join(_regression_text(r) for r in cmp["noise"])
         )
     if cmp["regressions"]:
-        how = "after one re-measurement" if cmp["remeasured"] else "not re-measured"
+        how = "after re-measuring, best of 3 tries" if cmp["remeasured"] else "not re-measured"
         lines.append(
             f"compare: FAIL: ours (implementation=ours) is slower than {baseline_name} by more than {thr:.0%} at "
             f"{len(cmp['regressions'])} of {len(cmp['rows'])} points ({how}): "
