@@ -464,3 +464,27 @@ def test_gqa_fwd_bwd_match_reference(dtype, head_dim, causal, seqlen_q, seqlen_k
     _check_grads(grads, q, k, v, dout, causal=causal, name=f"gqa nheads_k={nheads_k}")
     for t, b in zip((q, k, v, dout), before):
         assert torch.equal(t, b), "inputs must not be modified"
+
+
+@pytest.mark.parametrize("layout", ["packed_kv", "transposed"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_gqa_strided_kv(head_dim, layout):
+    """GQA (8 query heads over 2 K/V heads, groups of 4) with k and v as views: slices of one packed
+    (batch, seqlen, 2, nheads_k, head_dim) tensor, or (batch, nheads_k, seqlen, head_dim) tensors transposed (the
+    transformers layout). dK and dV come back with k's and v's shapes."""
+    dtype = _built_dtype(head_dim)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k = 2, 150, 333, 8, 2
+    q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    if layout == "packed_kv":
+        kv = _randn(batch, seqlen_k, 2, nheads_k, head_dim, dtype=dtype)
+        k, v = kv[:, :, 0], kv[:, :, 1]
+    else:
+        k, v = (_randn(batch, nheads_k, seqlen_k, head_dim, dtype=dtype).transpose(1, 2) for _ in range(2))
+    assert not k.is_contiguous()
+    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    for causal in (False, True):
+        out, grads = _backward(q, k, v, dout, causal=causal)
+        ref, _ = attention_ref(q, k, v, causal=causal, upcast=True)
+        naive, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+        assert_close_by_rule(out, ref, naive, f"gqa {layout} out")
+        _check_grads(grads, q, k, v, dout, causal=causal, name=f"gqa {layout} causal={causal}")

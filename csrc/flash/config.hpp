@@ -34,10 +34,11 @@ struct FwdTileConfig<256> {
 };
 
 // Backward. kSwapSdP (head_dim <= 128): Sᵀ/dPᵀ per warpgroup of 64 keys, P and dS kept in registers for the
-// dK/dV GEMMs, dS double-buffered in shared memory for dQ. Shared memory
-// = (2 * kStages * kBlockM + 2 * kBlockN) * kHeadDim * 2 + 2 * kBlockM * kBlockN * 2 bytes (+ LSE/D per stage):
-//   hdim  64: kBlockM 128 x kBlockN 128 -> 160 KiB (Sᵀ, dPᵀ 64 registers each per thread; dK + dV 64);
-//   hdim 128: kBlockM  64 x kBlockN 128 -> 160 KiB (Sᵀ, dPᵀ 32 each; dK + dV 128).
+// dK/dV GEMMs, dS double-buffered in shared memory for dQ, dQ tiles staged in fp32 for the writer warp. Shared
+// memory = (2 * kStages * kBlockM + 2 * kBlockN) * kHeadDim * 2 (Q, dO, K, V) + 2 * kBlockM * kBlockN * 2 (dS)
+//   + kBlockM * kHeadDim * 4 (dQ) + 2 * kStages * kBlockM * 4 (LSE, D) bytes:
+//   hdim  64: kBlockM 128 x kBlockN 128 -> 194 KiB (Sᵀ, dPᵀ 64 registers each per thread; dK + dV 64);
+//   hdim 128: kBlockM  64 x kBlockN 128 -> 193 KiB (Sᵀ, dPᵀ 32 each; dK + dV 128).
 // head_dim 256 (no swap): kBlockM 64 x kBlockN 64, P and dS both in shared memory -> 208 KiB, and dK/dV split
 //   head_dim across the warpgroups (64 keys x 128 columns of each of dK and dV per warpgroup = 128 accumulator
 //   registers per thread; splitting keys would need 256).

@@ -400,7 +400,8 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
 
 // Consumer of the kSwapSdP variant (mma_tidx in [0, NumMmaThreads)). Per Q tile and warpgroup (64 keys):
 //   Sᵀ, dPᵀ (SS) -> Pᵀ = exp2(Sᵀ·scale_log2 − LSE_log2), dSᵀ = Pᵀ ∘ (dPᵀ − D) -> dV += Pᵀ dO (RS, issued first)
-//   -> dS to shared memory, one barrier -> dQ_tile = dS K (SS) and dK += dSᵀ Q (RS) -> dQ atomics while dK runs.
+//   -> dS to shared memory, one barrier -> dQ_tile = dS K (SS) and dK += dSᵀ Q (RS) -> dQ_tile to shared memory
+//   for the writer warp while dK runs.
 template <class Traits>
 CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                          typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,

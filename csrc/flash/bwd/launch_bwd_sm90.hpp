@@ -24,7 +24,12 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>>;
   if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
   bool const gqa = p.nheads_k != p.nheads;
-  if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || gqa != (p.dk_accum_ptr != nullptr)) {
+  if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || gqa != (p.dk_accum_ptr != nullptr) ||
+      gqa != (p.dv_accum_ptr != nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  // The workspaces' rows: whole tiles of every kBlockM (bulk copies of LSE/D, dQ chunks, postprocess grid).
+  if (p.seqlen_q_rounded < p.seqlen_q || p.seqlen_q_rounded % kBwdSeqlenQRounding != 0) {
     return cudaErrorInvalidValue;
   }
 
