@@ -324,6 +324,30 @@ def test_model_packed_position_ids_raise(fah_tf, spy, allow_float32):
 
 
 @requires_transformers
+@pytest.mark.parametrize("how", ["cache", "ones_mask"], ids=["use_cache", "all_ones_mask"])
+def test_model_packed_position_ids_raise_where_transformers_does_not_detect_them(fah_tf, spy, allow_float32, how):
+    """transformers looks for packed sequences only without a cache and without a mask; the integration checks the
+    position ids itself (once, at layer 0), so packing never reaches the kernel."""
+    model = _model(_tiny_config(), NAME)
+    ids = torch.randint(0, 97, (2, 16))
+    position_ids = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0).expand(2, -1)
+    kwargs = dict(use_cache=True) if how == "cache" else dict(attention_mask=torch.ones(2, 16, dtype=torch.long),
+                                                              use_cache=False)
+    with pytest.raises(ValueError, match="position_ids restart inside a row"):
+        model(input_ids=ids, position_ids=position_ids, **kwargs)
+    assert not spy.calls
+
+
+@requires_transformers
+def test_model_counting_position_ids_pass_with_cache(fah_tf, spy, allow_float32):
+    spy.fail = False
+    model = _model(_tiny_config(), NAME)
+    ids = torch.randint(0, 97, (2, 16))
+    model(input_ids=ids, position_ids=torch.arange(16).unsqueeze(0).expand(2, -1), use_cache=True)
+    assert len(spy.calls) == 2  # one per layer
+
+
+@requires_transformers
 def test_model_static_cache_raises(fah_tf, spy, allow_float32):
     from transformers import StaticCache
 

@@ -145,6 +145,7 @@ def flash_attn_hopper_attention_forward(
                 f"{_where(module)}: got {name}; variable-length (padding-free, packed) batches are not supported by "
                 "flash_attn_hopper yet"
             )
+    _check_not_packed(module, kwargs.get("position_ids"))
     if kwargs.get("output_attentions", False):
         transformers.utils.logging.get_logger(__name__).warning_once(
             "flash_attn_hopper attention does not form attention weights; `output_attentions=True` returns None "
@@ -176,6 +177,25 @@ def flash_attn_hopper_attention_forward(
     return attn_output, None
 
 
+def _check_not_packed(module, position_ids):
+    """ValueError when position_ids restart inside a row (several sequences packed into one): the kernel would let
+    each sequence attend to the ones before it. transformers detects packing itself only without a cache and without
+    an attention_mask (then the mask function below raises); this catches the other cases (a DynamicCache, as a model
+    call with labels makes by default, or an all-ones mask). It reads a device value, so it runs once per forward
+    (layer 0) and not while torch.compile traces."""
+    if position_ids is None or position_ids.shape[-1] < 2 or torch.compiler.is_compiling():
+        return
+    if getattr(module, "layer_idx", 0) not in (0, None):
+        return
+    if bool((position_ids[..., 1:] - position_ids[..., :-1] != 1).any()):
+        raise ValueError(
+            f"{_where(module)}: position_ids restart inside a row, i.e. packed sequences; flash_attn_hopper attention "
+            "would let each packed sequence attend to the ones before it. Pass one sequence per row (pad and drop "
+            "the padding, or use attn_implementation='sdpa' with a packed-sequence mask); padding-free packing needs "
+            "the variable-length path, which is not available yet."
+        )
+
+
 def flash_attn_hopper_mask(
     batch_size,
     q_length,
@@ -204,9 +224,11 @@ def flash_attn_hopper_mask(
         if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function:
             raise ValueError(
                 "flash_attn_hopper attention supports plain causal or bidirectional masks only; this model call "
-                f"needs the mask pattern {getattr(mask_function, '__name__', mask_function)!r} (packed sequences in "
-                "position_ids, a sliding window, a chunked pattern or a custom mask function). Pass position_ids "
-                "that count up without restarting, or use attn_implementation='sdpa'."
+                f"needs the mask pattern {getattr(mask_function, '__name__', mask_function)!r}: a sliding window "
+                "(config.sliding_window, e.g. Mistral, Gemma 2), a chunked pattern, packed sequences in position_ids, "
+                "or a custom mask function. Sliding windows are not supported by this version of the integration; "
+                "for packed sequences pass position_ids that count up without restarting; otherwise use "
+                "attn_implementation='sdpa'."
             )
         if mask_function is causal_mask_function and attention_mask is None and kv_offset == 0:
             filled = int(q_offset) + q_length
