@@ -35,7 +35,7 @@ def main():
         model.train()
         optimizer = train_lm.make_optimizer(model, args, device)
 
-        def step():
+        def step(model=model, optimizer=optimizer):
             with train_lm.autocast_ctx(args, device):
                 loss = train_lm.lm_loss(model, inputs, targets)
             loss.backward()

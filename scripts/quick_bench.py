@@ -37,7 +37,7 @@ for hd in hdims:
                             lambda: torch.autograd.grad(out, (qq, kk, vv), dd, retain_graph=True),
                             warmup=25, rep=100, return_mode="median")
                     row += [f"{flops / tf / 1e9:.0f}", f"{2.5 * flops / tb / 1e9:.0f}"]
-                except Exception as e:  # a peer backend may not support a point
+                except Exception:  # a peer backend may not support a point
                     row += ["n/a", "n/a"]
             print("hd %d causal %d s %d | fwd ours %s cudnn %s fa2 %s | bwd ours %s cudnn %s fa2 %s" % (
                 row[0], row[1], row[2], row[3], row[5], row[7], row[4], row[6], row[8]), flush=True)

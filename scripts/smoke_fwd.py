@@ -1,4 +1,4 @@
-import torch, math, flash_attn_hopper as fah
+import torch, flash_attn_hopper as fah
 from flash_attn_hopper.testing import attention_ref
 torch.manual_seed(0)
 for hd in (64,128,256):

@@ -59,3 +59,15 @@ def seed(request):
     value = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(value)
     return value
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_matmul(request):
+    """GPU tests compare with a float32 reference, which must be real float32 (no TF32)."""
+    if request.node.get_closest_marker("requires_sm90") is None:
+        yield
+        return
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)

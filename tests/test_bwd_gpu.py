@@ -12,9 +12,12 @@ are compared by the rule, not bit for bit. Skipped, with the reason, without an 
 import pytest
 import torch
 
-import flash_attn_hopper
 from flash_attn_hopper import attention
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads, causal_mask
+from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import poison_allocator as _poison_allocator
+from gpu_helpers import randn as _randn
+from gpu_helpers import require_built as _require_built
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -28,42 +31,6 @@ BWD_SEQLEN_Q_ROUNDING = 128
 GRAD_NAMES = ("dq", "dk", "dv")
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmul():
-    """The float32 reference must be real float32 (no TF32)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
-
-
-# Helpers as in test_fwd_gpu.py.
-
-
-def _require_built(head_dim, dtype):
-    cfg = flash_attn_hopper.build_config()
-    if head_dim not in cfg["head_dims"] or dtype not in cfg["dtypes"]:
-        pytest.skip(f"head_dim {head_dim} / {dtype} not in this build (FAH_HDIMS/FAH_DTYPES)")
-
-
-def _built_dtype(head_dim):
-    """A dtype this build compiles for head_dim (fp16 preferred), else skip."""
-    cfg = flash_attn_hopper.build_config()
-    for dtype in DTYPES:
-        if head_dim in cfg["head_dims"] and dtype in cfg["dtypes"]:
-            return dtype
-    pytest.skip(f"head_dim {head_dim} not in this build (FAH_HDIMS/FAH_DTYPES)")
-
-
-def _poison_allocator(*nbytes):
-    """Fill the CUDA caching allocator with NaN: allocate blocks of these sizes on the current stream, fill them
-    with 0xFF bytes (NaN in fp16, bf16 and fp32) and free them, so the next allocations of these sizes on this
-    stream reuse NaN-filled memory. Synchronizes the device (empty_cache)."""
-    torch.cuda.empty_cache()  # drop other cached blocks, so the poisoned ones are the best fit
-    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in nbytes if n > 0]
-    del blocks
-
-
 def _bwd_nbytes(q, k, v):
     """Sizes of what the backward allocates: dQ, dK, dV, the fp32 dQ accumulator, LSE (log2) and dPsum."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -74,10 +41,6 @@ def _bwd_nbytes(q, k, v):
 
 def _poison_bwd(q, k, v):
     _poison_allocator(*_bwd_nbytes(q, k, v))
-
-
-def _randn(*shape, dtype):
-    return torch.randn(*shape, dtype=dtype, device="cuda")
 
 
 def _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype, scale=None):

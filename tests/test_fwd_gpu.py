@@ -10,9 +10,12 @@ import math
 import pytest
 import torch
 
-import flash_attn_hopper
 from flash_attn_hopper import attention
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref
+from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import poison_allocator as _poison_allocator
+from gpu_helpers import randn as _randn
+from gpu_helpers import require_built as _require_built
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -20,43 +23,6 @@ DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
 HEAD_DIMS = [64, 128, 256]
 SEQLENS = [(1, 1), (1, 239), (239, 1), (113, 203), (203, 113), (128, 128), (1023, 1024), (4224, 4224)]
-
-
-@pytest.fixture(autouse=True)
-def _full_fp32_matmul():
-    """The float32 reference must be real float32 (no TF32)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
-
-
-def _require_built(head_dim, dtype):
-    cfg = flash_attn_hopper.build_config()
-    if head_dim not in cfg["head_dims"] or dtype not in cfg["dtypes"]:
-        pytest.skip(f"head_dim {head_dim} / {dtype} not in this build (FAH_HDIMS/FAH_DTYPES)")
-
-
-def _built_dtype(head_dim):
-    """A dtype this build compiles for head_dim (fp16 preferred), else skip."""
-    cfg = flash_attn_hopper.build_config()
-    for dtype in DTYPES:
-        if head_dim in cfg["head_dims"] and dtype in cfg["dtypes"]:
-            return dtype
-    pytest.skip(f"head_dim {head_dim} not in this build (FAH_HDIMS/FAH_DTYPES)")
-
-
-def _poison_allocator(*nbytes):
-    """Fill the CUDA caching allocator with NaN: allocate blocks of these sizes on the current stream, fill them
-    with 0xFF bytes (NaN in fp16, bf16 and fp32) and free them, so the next allocations of these sizes on this
-    stream (the kernel's fresh output and LSE) reuse NaN-filled memory. Synchronizes the device (empty_cache)."""
-    torch.cuda.empty_cache()  # drop other cached blocks, so the poisoned ones are the best fit
-    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in nbytes if n > 0]
-    del blocks
-
-
-def _randn(*shape, dtype):
-    return torch.randn(*shape, dtype=dtype, device="cuda")
 
 
 def _qkv(batch, seqlen_q, seqlen_k, nheads, head_dim, dtype):

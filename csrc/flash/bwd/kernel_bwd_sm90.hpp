@@ -114,8 +114,7 @@ struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlock
   using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_>;
   using typename Base::Element;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
-  static constexpr bool kSwapSdP = true;
-  static constexpr bool kStatsInSmem = true;
+  static constexpr bool kSwapSdP = true;  // also: LSE/D travel with Q/dO into shared memory
   // Per consumer thread at head_dim 128: dK + dV 128, Sᵀ + dPᵀ 64, their 16-bit copies 32, dQ 32; at head_dim 64
   // (kBlockM 128): dK + dV 64, Sᵀ + dPᵀ 128, copies 64, dQ 32. Budgets with the fewest spills (2026-11-29):
   // 40/232 leaves head_dim 128 spill-free (24/240 spilled 72 bytes in the producer); head_dim 64 spills ~20
@@ -180,7 +179,6 @@ struct BwdKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, 
   using typename Base::Element;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
   static constexpr bool kSwapSdP = false;
-  static constexpr bool kStatsInSmem = false;
   static constexpr bool kDKVSplitD = kDKVSplitD_;
   // setmaxnreg budgets, 24/240 or 56/224 (x 128 + x 256 = 64512 of the 65536 registers per SM), whichever spilled
   // least on 2026-11-29: head_dim 128 spilled ~16 words inside the consumer loop at 56/224 and a few loop-invariant
@@ -281,7 +279,7 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
     BarrierType* full = pipeline.producer_get_barrier(write_state);
     copy(params.tma_q.with(*full, 0), tQgQ(_, m_block), tQsQ(_, write_state.index()));
     copy(params.tma_do.with(*full, 0), tdOgdO(_, m_block), tdOsdO(_, write_state.index()));
-    if constexpr (Traits::kStatsInSmem) {
+    if constexpr (Traits::kSwapSdP) {
       // LSE_log2 and D of the tile's rows (rows are padded to seqlen_q_rounded, so every tile is whole).
       int64_t const row0 = (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded + m_block * kBlockM;
       int const off = write_state.index() * kBlockM;
@@ -293,11 +291,11 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
   pipeline.producer_tail(write_state);
 }
 
-// Writes an accumulator fragment (converted to Element, multiplied by `scale`) to a (seqlen, head_dim) slice of
-// global memory, rows at or past `row_limit` skipped. Columns come in adjacent pairs: one 32-bit store each.
-template <class Element, class TensorAcc, class TensorCoord>
-CUTLASS_DEVICE void store_rows(TensorAcc const& acc, TensorCoord const& coord, Element* base, int64_t row_stride,
-                               int row_offset, int row_limit, float scale) {
+// Walks an accumulator fragment of a (seqlen, head_dim) tile as pairs of adjacent columns, rows at or past
+// `row_limit` skipped: f(element offset row * row_stride + col, value of col, value of col + 1).
+template <class TensorAcc, class TensorCoord, class F>
+CUTLASS_DEVICE void for_each_row_pair(TensorAcc const& acc, TensorCoord const& coord, int64_t row_stride,
+                                      int row_offset, int row_limit, F&& f) {
   Tensor a = make_tensor(acc.data(), acc_rowcol(acc.layout()));
   Tensor c = make_tensor(coord.data(), acc_rowcol(coord.layout()));
   CUTLASS_PRAGMA_UNROLL
@@ -305,32 +303,7 @@ CUTLASS_DEVICE void store_rows(TensorAcc const& acc, TensorCoord const& coord, E
     int const row = row_offset + get<0>(c(r, 0));
     if (row < row_limit) {
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(a); j += 2) {
-        cutlass::Array<Element, 2> pair;
-        pair[0] = Element(a(r, j) * scale);
-        pair[1] = Element(a(r, j + 1) * scale);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(base + row * row_stride + get<1>(c(r, j))) = pair;
-      }
-    }
-  }
-}
-
-// Adds an accumulator fragment (times `scale`) into a (seqlen, head_dim) slice of an fp32 buffer with float2
-// atomics, rows at or past `row_limit` skipped.
-template <class TensorAcc, class TensorCoord>
-CUTLASS_DEVICE void add_rows(TensorAcc const& acc, TensorCoord const& coord, float* base, int64_t row_stride,
-                             int row_offset, int row_limit, float scale) {
-  Tensor a = make_tensor(acc.data(), acc_rowcol(acc.layout()));
-  Tensor c = make_tensor(coord.data(), acc_rowcol(coord.layout()));
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < size<0>(a); ++r) {
-    int const row = row_offset + get<0>(c(r, 0));
-    if (row < row_limit) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(a); j += 2) {
-        atomicAdd(reinterpret_cast<float2*>(base + row * row_stride + get<1>(c(r, j))),
-                  make_float2(a(r, j) * scale, a(r, j + 1) * scale));
-      }
+      for (int j = 0; j < size<1>(a); j += 2) { f(row * row_stride + get<1>(c(r, j)), a(r, j), a(r, j + 1)); }
     }
   }
 }
@@ -349,14 +322,31 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
     int const bidh_kv = bidh / (params.nheads / params.nheads_k);
     int64_t const row_stride = int64_t(params.nheads_k) * kHeadDim;
     int64_t const offset = (int64_t(bidb) * params.seqlen_k * params.nheads_k + bidh_kv) * kHeadDim;
-    add_rows(tdVrdV, tdKVcdKV, params.dv_accum_ptr + offset, row_stride, key_offset, params.seqlen_k, 1.f);
-    add_rows(tdKrdK, tdKVcdKV, params.dk_accum_ptr + offset, row_stride, key_offset, params.seqlen_k,
-             params.softmax_scale);
+    // float2 atomics: the query heads of a group add into the same rows.
+    auto add = [](float* base, float scale) {
+      return [=](int64_t idx, float x0, float x1) {
+        atomicAdd(reinterpret_cast<float2*>(base + idx), make_float2(x0 * scale, x1 * scale));
+      };
+    };
+    for_each_row_pair(tdVrdV, tdKVcdKV, row_stride, key_offset, params.seqlen_k,
+                      add(params.dv_accum_ptr + offset, 1.f));
+    for_each_row_pair(tdKrdK, tdKVcdKV, row_stride, key_offset, params.seqlen_k,
+                      add(params.dk_accum_ptr + offset, params.softmax_scale));
   } else {
-    store_rows(tdVrdV, tdKVcdKV, params.dv_ptr + bidb * params.dv_batch_stride + bidh * params.dv_head_stride,
-               params.dv_row_stride, key_offset, params.seqlen_k, 1.f);
-    store_rows(tdKrdK, tdKVcdKV, params.dk_ptr + bidb * params.dk_batch_stride + bidh * params.dk_head_stride,
-               params.dk_row_stride, key_offset, params.seqlen_k, params.softmax_scale);
+    using Element = typename Traits::Element;
+    auto store = [](Element* base, float scale) {
+      return [=](int64_t idx, float x0, float x1) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(x0 * scale);
+        pair[1] = Element(x1 * scale);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(base + idx) = pair;
+      };
+    };
+    for_each_row_pair(tdVrdV, tdKVcdKV, params.dv_row_stride, key_offset, params.seqlen_k,
+                      store(params.dv_ptr + bidb * params.dv_batch_stride + bidh * params.dv_head_stride, 1.f));
+    for_each_row_pair(tdKrdK, tdKVcdKV, params.dk_row_stride, key_offset, params.seqlen_k,
+                      store(params.dk_ptr + bidb * params.dk_batch_stride + bidh * params.dk_head_stride,
+                            params.softmax_scale));
   }
 }
 
