@@ -37,36 +37,64 @@ def _load():
 EXTENSION_LOADED = _load()
 
 
+def _backward(saved, dout, dlse, softmax_scale, causal, window_left, window_right, softcap):
+    """dq, dk, dv through the backward op. dout None (only lse used by the loss) means a zero output gradient;
+    dlse None means the loss does not use lse."""
+    q, k, v, out, lse = saved
+    if dout is None:
+        dout = torch.zeros_like(out)
+    return torch.ops.flash_attn_hopper.bwd(
+        dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap
+    )
+
+
+class AttentionFunction(torch.autograd.Function):
+    """The eager autograd path of ``flash_attn_hopper::fwd``: the same forward and backward ops as the
+    torch.library registration below, through a plain autograd.Function, whose per-call host cost is a fraction of
+    the registered op's Python autograd wrapper (that one stays for torch.compile and opcheck)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap):
+        out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (softmax_scale, causal, window_left, window_right, softcap)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        dq, dk, dv = _backward(ctx.saved_tensors, dout, dlse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
 def _register_python_kernels():
     """Fake (meta) kernels and the autograd formula of the C++ ops, so torch.compile traces them as graph nodes.
 
-    The forward saves q, k, v, out and lse; its backward is the FlashAttention-3 backward op (paper §2.1).
-    lse is an output but not differentiable (marked so): a loss that uses it gets no gradient through it.
+    The forward saves q, k, v, out and lse; its backward is the FlashAttention-3 backward op (paper §2.1). lse is
+    differentiable: its gradient dLSE enters the backward op, where dS gains P ∘ dLSE.
     """
 
     @torch.library.register_fake("flash_attn_hopper::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal):
+    def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap):
         batch, seqlen_q, nheads, _ = q.shape
         return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])), q.new_empty(
             (batch, nheads, seqlen_q), dtype=torch.float32
         )
 
     @torch.library.register_fake("flash_attn_hopper::bwd")
-    def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def _fwd_setup_context(ctx, inputs, output):
-        q, k, v, softmax_scale, causal = inputs
+        q, k, v, *args = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale = softmax_scale
-        ctx.causal = causal
-        ctx.mark_non_differentiable(lse)
+        ctx.args = tuple(args)
+        ctx.set_materialize_grads(False)
 
     def _fwd_backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.flash_attn_hopper.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(ctx.saved_tensors, dout, dlse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
 
     torch.library.register_autograd("flash_attn_hopper::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
@@ -82,19 +110,19 @@ def require_extension():
 
 
 @functools.lru_cache(maxsize=None)
-def _build_config_text():
-    return torch.ops.flash_attn_hopper.build_config()
+def _compiled():
+    """(head_dims, dtypes) of this build as tuples, parsed once: the Python checks consult it on every call."""
+    cfg = {}
+    for part in torch.ops.flash_attn_hopper.build_config().split(";"):
+        key, _, value = part.partition("=")
+        cfg[key] = [v for v in value.split(",") if v]
+    head_dims = tuple(int(v) for v in cfg.get("head_dims", []))
+    dtypes = tuple({"fp16": torch.float16, "bf16": torch.bfloat16}[v] for v in cfg.get("dtypes", []))
+    return head_dims, dtypes
 
 
 def build_config():
     """The head dims and dtypes compiled into the extension: ``{"head_dims": [...], "dtypes": [...]}``."""
     require_extension()
-    text = _build_config_text()
-    cfg = {}
-    for part in text.split(";"):
-        key, _, value = part.partition("=")
-        cfg[key] = [v for v in value.split(",") if v]
-    return {
-        "head_dims": [int(v) for v in cfg.get("head_dims", [])],
-        "dtypes": [{"fp16": torch.float16, "bf16": torch.bfloat16}[v] for v in cfg.get("dtypes", [])],
-    }
+    head_dims, dtypes = _compiled()
+    return {"head_dims": list(head_dims), "dtypes": list(dtypes)}

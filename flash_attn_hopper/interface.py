@@ -12,6 +12,7 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _MAX_GRID_YZ = 65535  # batch and nheads index grid dimensions y and z
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _FLOAT32_MAX = 3.4028234663852886e38
+_INT32_MAX = 2**31 - 1
 
 
 def _check_tensor_args(q, k, v):
@@ -95,22 +96,72 @@ def _check_scale(softmax_scale, head_dim):
 
 
 def _check_compiled(head_dim, dtype):
-    cfg = _ops.build_config()
-    if head_dim not in cfg["head_dims"]:
+    head_dims, dtypes = _ops._compiled()
+    if head_dim not in head_dims:
         raise ValueError(
-            f"q has head_dim {head_dim}, which this build does not include (built with head_dims {cfg['head_dims']}; "
+            f"q has head_dim {head_dim}, which this build does not include (built with head_dims {list(head_dims)}; "
             "rebuild without FAH_HDIMS to get all)"
         )
-    if dtype not in cfg["dtypes"]:
-        raise TypeError(f"q has dtype {dtype}, which this build does not include (built with {cfg['dtypes']})")
+    if dtype not in dtypes:
+        raise TypeError(f"q has dtype {dtype}, which this build does not include (built with {list(dtypes)})")
 
 
-def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def _check_causal(causal):
+    if isinstance(causal, bool):
+        return causal
+    if type(causal).__module__ == "numpy" and isinstance(getattr(causal, "item", lambda: None)(), bool):
+        return bool(causal)  # numpy.bool_
+    raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__qualname__}")
+
+
+def _check_window(window_size, causal):
+    """(left, right) ints >= -1 (-1: unbounded); causal fixes right at 0. Returns the pair the op takes."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window_size):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window_size {name} side must be an int, got {type(w).__name__}")
+        w = int(w)
+        if w < -1:
+            raise ValueError(f"window_size {name} side must be >= -1 (-1: unbounded), got {w}")
+        sides.append(min(w, _INT32_MAX))  # wider than any sequence: the same as unbounded
+    left, right = sides
+    if causal:
+        if right > 0:
+            raise ValueError(
+                f"causal=True means a window right side of 0; got window_size {tuple(window_size)} "
+                "(pass causal=False with the window you want)"
+            )
+        right = 0
+    return left, right
+
+
+def _check_softcap(softcap, softmax_scale):
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    if softcap > 0:
+        # The kernels take softcap * log2(e) and softmax_scale / softcap as normal float32 values.
+        if not softcap * math.log2(math.e) <= _FLOAT32_MAX or not (
+            _FLOAT32_TINY <= softmax_scale / softcap <= _FLOAT32_MAX
+        ):
+            raise ValueError(
+                f"softcap {softcap} with softmax_scale {softmax_scale}: softmax_scale / softcap and "
+                "softcap * log2(e) must be normal float32 values"
+            )
+    return softcap
+
+
+def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0):
     """Exact scaled dot-product attention on Hopper GPUs (FlashAttention-3 forward and backward).
 
-    Computes, per batch element and head, ``O = softmax(softmax_scale * Q Kᵀ + mask) V`` with the
-    online softmax of the FlashAttention-3 paper (Shah et al., 2024), §3.1 (Algorithm 1: warp-specialized
-    TMA producer, WGMMA consumers, exp2-domain online softmax); the math is §2.1, eq. for S, P, O.
+    Computes, per batch element and head, ``O = softmax(S + mask) V`` with ``S = softmax_scale * Q Kᵀ``
+    (or ``softcap * tanh(softmax_scale * Q Kᵀ / softcap)`` when softcap > 0), with the online softmax of the
+    FlashAttention-3 paper (Shah et al., 2024), §3.1 (Algorithm 1: warp-specialized TMA producer, WGMMA consumers,
+    exp2-domain online softmax); the math is §2.1, eq. for S, P, O.
 
     Args:
         q: ``(batch, seqlen_q, nheads, head_dim)``, torch.float16 or torch.bfloat16, on an sm90 CUDA device.
@@ -124,45 +175,60 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
             is copied first.
         softmax_scale: multiplier of Q Kᵀ before the softmax (unitless); default ``1 / sqrt(head_dim)``.
         causal: if True, query row i sees key j only when ``j <= i + seqlen_k - seqlen_q`` (causal mask
-            aligned to the bottom-right corner; note SDPA's ``is_causal`` is aligned top-left).
-        return_lse: if True, also return the log-sum-exp of each row of scaled scores.
+            aligned to the bottom-right corner; note SDPA's ``is_causal`` is aligned top-left). The same as
+            ``window_size=(-1, 0)``.
+        return_lse: if True, also return the log-sum-exp of each row of scores.
+        window_size: keyword-only ``(left, right)``, ints >= -1 (in keys): query row i sees key j only when
+            ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (sliding window, bottom-right
+            aligned); -1 leaves a side unbounded; a side wider than the sequences is the same as unbounded. With
+            causal=True the right side is 0 (passing right > 0 then raises). Key tiles wholly outside the window are
+            skipped, so the cost grows with the window, not with seqlen_k.
+        softcap: keyword-only float >= 0; when > 0, scores become ``softcap * tanh(S / softcap)`` before the
+            softmax (Gemma 2 style logit soft-capping), with the matching backward (factor ``1 - tanh²``). 0: off.
 
     Returns:
         ``out`` of shape ``(batch, seqlen_q, nheads, head_dim)`` in q's dtype, or ``(out, lse)`` with ``lse``
         float32 ``(batch, nheads, seqlen_q)``, natural log. A query row that sees no key (causal with
-        seqlen_q > seqlen_k) has an output row of exactly 0 and LSE ``-inf``.
+        seqlen_q > seqlen_k, or a window that misses every key) has an output row of exactly 0 and LSE ``-inf``.
 
     Raises:
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
-            softmax_scale is not a real number.
+            softmax_scale or softcap is not a real number; causal is not a bool; window_size is not a pair of ints.
         ValueError: rank is not 4; batch or head_dim differ between q, k, v; k and v differ in nheads_k, or
             nheads is not a multiple of nheads_k; seqlen_k differs between
             k and v; batch or nheads above 65535; head_dim is not 64/128/256 (or not in this build); the last
             dimension's stride is not 1;
             a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;
-            softmax_scale is not finite and positive.
+            softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right
+            side > 0; softcap is negative or not finite, or softmax_scale / softcap is not a normal float32.
         RuntimeError: the compiled extension is not available.
 
-    Gradients: when q, k or v requires grad, ``out`` backpropagates through the FlashAttention-3 backward
-    (paper §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = α dS K, dK = α dSᵀ Q), recomputing
-    P from the saved LSE; saved state is q, k, v, out and lse. ``lse`` itself is not differentiable.
+    Gradients: when q, k or v requires grad, ``out`` (and ``lse``) backpropagate through the FlashAttention-3
+    backward (paper §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = α dS K, dK = α dSᵀ Q),
+    recomputing P from the saved LSE; saved state is q, k, v, out and lse. ``lse`` is differentiable: since
+    d LSE_i / d S_ij = P_ij, a loss that uses it adds ``P ∘ dLSE`` to dS at no extra cost (what ring and
+    context-parallel attention need to merge partial results).
 
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     _check_tensor_args(q, k, v)
     softmax_scale = _check_scale(softmax_scale, q.shape[-1])
-    if not isinstance(causal, bool):
-        if type(causal).__module__ == "numpy" and isinstance(getattr(causal, "item", lambda: None)(), bool):
-            causal = bool(causal)  # numpy.bool_
-        else:
-            raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__qualname__}")
+    causal = _check_causal(causal)
+    window_left, window_right = _check_window(window_size, causal)
+    softcap = _check_softcap(softcap, softmax_scale)
     _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
     _ops.require_extension()
-    if not torch.compiler.is_compiling():
-        # Host queries that a traced graph cannot hold; the op repeats both checks at run time.
+    args = (softmax_scale, causal, window_left, window_right, softcap)
+    if torch.compiler.is_compiling():
+        # The registered op: fake kernels and autograd live with it (flash_attn_hopper/_ops.py and
+        # csrc/api/flash_api.cpp), so torch.compile traces this call as one node. The host queries below are
+        # left out of the graph; the op repeats both checks at run time.
+        out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, *args)
+    else:
         _check_sm90("q", q.device)
         _check_compiled(q.shape[-1], q.dtype)
-    # Autograd, fake (meta) kernels and stride handling live with the op (flash_attn_hopper/_ops.py and
-    # csrc/api/flash_api.cpp), so torch.compile traces this call as one node.
-    out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, softmax_scale, causal)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _ops.AttentionFunction.apply(q, k, v, *args)  # cheaper per call than the op's wrapper
+        else:
+            out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, *args)
     return (out, lse) if return_lse else out

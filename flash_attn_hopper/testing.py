@@ -13,6 +13,35 @@ def causal_mask(seqlen_q, seqlen_k, device=None):
     return j <= i + (seqlen_k - seqlen_q)
 
 
+def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=None):
+    """Boolean (seqlen_q, seqlen_k), True where query i may see key j under DESIGN.md §2's window rule:
+    ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``, -1 leaving a side unbounded;
+    causal sets right = 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    diag = i + (seqlen_k - seqlen_q)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= j >= diag - left
+    if right >= 0:
+        visible &= j <= diag + right
+    return visible
+
+
+def _scores(q, k, scale, causal, window_size, softcap):
+    """Masked scores (batch, nheads, seqlen_q, seqlen_k): scale * Q Kᵀ, soft-capped, -inf outside the mask."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal or tuple(window_size) != (-1, -1):
+        mask = local_mask(q.shape[1], k.shape[1], window_size, causal, device=q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
 def repeat_kv(k, nheads):
     """GQA/MQA: (batch, seqlen, nheads_k, head_dim) -> (batch, seqlen, nheads, head_dim), query head h reading
     K/V head h // (nheads // nheads_k). The identity when nheads_k == nheads."""
@@ -20,13 +49,14 @@ def repeat_kv(k, nheads):
     return k if nheads_k == nheads else k.repeat_interleave(nheads // nheads_k, dim=2)
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True):
+def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0):
     """Plain attention in the layout of flash_attn_hopper.attention.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim), nheads_k dividing
     nheads (GQA/MQA: K/V heads repeated, so autograd sums dK/dV over each group).
     upcast=True computes in float32 (float64 inputs stay float64); upcast=False computes in the input dtype,
     the naive same-precision reference whose error sets the tolerance.
+    window_size and softcap as ``flash_attn_hopper.attention`` (scores ``softcap * tanh(S / softcap)``, then the mask).
     Returns (out in the compute dtype, lse float32 (batch, nheads, seqlen_q)). A row that sees no key gets
     output 0 and LSE -inf.
     """
@@ -35,11 +65,11 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True):
     head_dim = q.shape[-1]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        mask = causal_mask(q.shape[1], k.shape[1], device=q.device)
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores if scores.dtype == torch.float64 else scores.float(), dim=-1)
+    scores = _scores(q, k, scale, causal, window_size, softcap)
+    fscores = scores if scores.dtype == torch.float64 else scores.float()
+    empty = torch.isneginf(fscores).all(dim=-1)
+    # logsumexp of an all -inf row is -inf with a NaN gradient; such rows get LSE -inf and no gradient through it.
+    lse = torch.logsumexp(fscores.masked_fill(empty.unsqueeze(-1), 0.0), dim=-1).masked_fill(empty, float("-inf"))
     empty = torch.isneginf(lse)
     # softmax of an all -inf row is NaN; such a row attends to nothing and its output is 0.
     attn = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
@@ -83,23 +113,35 @@ def assert_close_by_rule(out, ref, ref_naive, name, floor=None):
     return err, base
 
 
-def attention_ref_grads(q, k, v, dout, softmax_scale=None, causal=False, upcast=True):
+def attention_ref_grads(
+    q, k, v, dout, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0, dlse=None
+):
     """(dq, dk, dv) of ``attention_ref`` by torch autograd, for the output gradient ``dout``.
 
     upcast=True differentiates the float32 reference (fp16/bf16 inputs and dout are upcast; float64 stays float64);
     upcast=False differentiates the naive reference in the input dtype, whose error sets the tolerance of
     ``assert_close_by_rule``. The inputs are not modified and need not require grad. A row that sees no key gets a
     dq row of 0 and adds nothing to dk, dv (the masked_fill of ``attention_ref`` cuts the softmax's NaN gradient).
+    dlse: optional gradient of the loss with respect to the LSE (batch, nheads, seqlen_q), added to the graph's
+    output gradients (rows with LSE -inf take none: they have no scores to pass it to).
     """
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     leaves = [t.detach().to(compute).requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
-        out, _ = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal, upcast=upcast)
-        dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+        out, lse = attention_ref(
+            *leaves, softmax_scale=softmax_scale, causal=causal, upcast=upcast, window_size=window_size, softcap=softcap
+        )
+        outputs, grads = [out], [dout.to(out.dtype)]
+        if dlse is not None:
+            outputs.append(lse)
+            grads.append(dlse.to(lse.dtype))
+        dq, dk, dv = torch.autograd.grad(outputs, leaves, grads)
     return dq, dk, dv
 
 
-def attention_bwd_ref(q, k, v, dout, softmax_scale=None, causal=False, upcast=True):
+def attention_bwd_ref(
+    q, k, v, dout, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0, dlse=None
+):
     """The backward pass written from its equations, without autograd: FlashAttention-3 paper (Shah et al., 2024),
     §2.1, and DESIGN.md §1. Per batch element and head, with α = softmax_scale:
 
@@ -109,9 +151,12 @@ def attention_bwd_ref(q, k, v, dout, softmax_scale=None, causal=False, upcast=Tr
         dV = Pᵀ dO
         dP = dO Vᵀ
         D = rowsum(dO ∘ O)          (equals rowsum(P ∘ dP))
-        dS = P ∘ (dP - D)
+        dS = P ∘ (dP - D + dLSE)    (dLSE: the loss's gradient with respect to the LSE, when it uses it)
         dQ = α dS K
         dK = α dSᵀ Q
+
+    With a softcap c the scores are c·tanh(X / c), X = α Q Kᵀ, and dS is multiplied by 1 − tanh²(X / c) before the
+    two last lines. Windows mask like ``local_mask``.
 
     A row that sees no key has LSE -inf and P = 0 (not exp(-inf + inf) = NaN), so its dQ row is 0 and it adds
     nothing to dK and dV. Layouts as ``attention_ref``: q (batch, seqlen_q, nheads, head_dim), k and v
@@ -124,9 +169,7 @@ def attention_bwd_ref(q, k, v, dout, softmax_scale=None, causal=False, upcast=Tr
     batch, seqlen_k, nheads_k, head_dim = k.shape
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     alpha = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * alpha
-    if causal:
-        s = s.masked_fill(~causal_mask(q.shape[1], k.shape[1], device=q.device), float("-inf"))
+    s = _scores(q, k, alpha, causal, window_size, softcap)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, h, q, 1)
     empty = torch.isneginf(lse)
     p = torch.exp(s - lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
@@ -134,7 +177,12 @@ def attention_bwd_ref(q, k, v, dout, softmax_scale=None, causal=False, upcast=Tr
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
     dp = torch.einsum("bqhd,bkhd->bhqk", dout, v)
     d = (dout * o).sum(dim=-1).transpose(1, 2).unsqueeze(-1)  # (b, h, q, 1)
+    if dlse is not None:
+        d = d - dlse.to(d.dtype).unsqueeze(-1)
     ds = p * (dp - d)
+    if softcap > 0:
+        t = torch.tanh(torch.einsum("bqhd,bkhd->bhqk", q, k) * alpha / softcap)
+        ds = ds * (1 - t * t)
     dq = alpha * torch.einsum("bhqk,bkhd->bqhd", ds, k)
     dk = alpha * torch.einsum("bhqk,bqhd->bkhd", ds, q)
     group = q.shape[2] // max(nheads_k, 1)

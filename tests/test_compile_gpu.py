@@ -24,22 +24,29 @@ def _built_head_dim():
     pytest.skip("no head dim in this build")
 
 
-@pytest.mark.parametrize("causal", [False, True])
+# (causal, window_left, window_right, softcap) as the ops take them
+OPTIONS = [(False, -1, -1, 0.0), (True, -1, 0, 0.0), (False, 17, 3, 0.0), (True, 64, 0, 15.0)]
+OPTION_IDS = ["full", "causal", "window", "causal-window-softcap"]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (256, 128)])
-def test_opcheck_fwd(seqlens, causal):
+def test_opcheck_fwd(seqlens, options):
     head_dim, dtype = _built_head_dim()
     q, k, v = _inputs(2, *seqlens, 3, head_dim, dtype, requires_grad=True)
-    torch.library.opcheck(torch.ops.flash_attn_hopper.fwd.default, (q, k, v, head_dim**-0.5, causal))
+    torch.library.opcheck(torch.ops.flash_attn_hopper.fwd.default, (q, k, v, head_dim**-0.5, *options))
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_opcheck_bwd(causal):
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_opcheck_bwd(options, with_dlse):
     head_dim, dtype = _built_head_dim()
     q, k, v = _inputs(2, 77, 140, 3, head_dim, dtype)
-    out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, head_dim**-0.5, causal)
+    out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, head_dim**-0.5, *options)
     dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if with_dlse else None
     torch.library.opcheck(
-        torch.ops.flash_attn_hopper.bwd.default, (dout, q, k, v, out, lse, head_dim**-0.5, causal)
+        torch.ops.flash_attn_hopper.bwd.default, (dout, q, k, v, out, lse, dlse, head_dim**-0.5, *options)
     )
 
 

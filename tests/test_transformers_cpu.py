@@ -69,8 +69,9 @@ def spy(monkeypatch):
     """Replaces the kernel entry point; records its calls. With ``spy.fail`` set (the default) a call fails."""
     calls = []
 
-    def fake_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
-        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal))
+    def fake_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0):
+        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          softcap=softcap))
         if fake_attention.fail:
             raise _KernelReached("the kernel entry point was reached")
         return torch.zeros_like(q)
@@ -92,9 +93,10 @@ def allow_float32(monkeypatch):
 def reference_kernel(monkeypatch, allow_float32):
     """Replaces the kernel entry point with the differentiable float32 reference of the same contract."""
 
-    def ref_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    def ref_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0):
         assert q.dtype == k.dtype == v.dtype
-        out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                               softcap=softcap)
         return out.to(q.dtype)
 
     monkeypatch.setattr(interface, "attention", ref_attention)
@@ -222,14 +224,12 @@ def test_gqa_passed_to_the_kernel_unrepeated(fah_tf, spy):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(sliding_window=4), "sliding_window"),
-        (dict(softcap=30.0), "softcap"),
         (dict(s_aux=torch.zeros(4)), "s_aux"),
         (dict(position_bias=torch.zeros(1, 4, 8, 8)), "position_bias"),
         (dict(cu_seq_lens_q=torch.tensor([0, 8, 16])), "cu_seq_lens_q.*variable-length"),
         (dict(max_length_k=8), "max_length_k.*variable-length"),
     ],
-    ids=["sliding_window", "softcap", "s_aux", "position_bias", "cu_seq_lens_q", "max_length_k"],
+    ids=["s_aux", "position_bias", "cu_seq_lens_q", "max_length_k"],
 )
 def test_unsupported_features_rejected(fah_tf, spy, kwargs, pattern):
     q, k, v = _qkv()
@@ -272,6 +272,40 @@ def test_layout_scale_and_causal_reach_the_kernel(fah_tf, spy):
     assert spy.calls[-1]["causal"] is False
     fah_tf.flash_attn_hopper_attention_forward(types.SimpleNamespace(), q, k, v, None, scaling=None)
     assert spy.calls[-1]["causal"] is True and spy.calls[-1]["softmax_scale"] is None
+
+
+@requires_transformers
+def test_sliding_window_and_softcap_reach_the_kernel(fah_tf, spy):
+    """transformers' sliding_window W (a query sees itself and W - 1 keys back) is window_size (W - 1, 0) when causal,
+    (W - 1, W - 1) when bidirectional; softcap passes through (None -> 0)."""
+    spy.fail = False
+    q, k, v = _qkv()
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, sliding_window=4, softcap=30.0)
+    assert spy.calls[-1]["window_size"] == (3, 0) and spy.calls[-1]["softcap"] == 30.0
+    assert spy.calls[-1]["causal"] is True
+    fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=False), q, k, v, None, sliding_window=4)
+    assert spy.calls[-1]["window_size"] == (3, 3) and spy.calls[-1]["softcap"] == 0.0
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None)
+    assert spy.calls[-1]["window_size"] == (-1, -1)
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, sliding_window=bad)
+
+
+@requires_transformers
+def test_mask_function_recognises_sliding_causal_only(fah_tf):
+    """The mask builder accepts transformers' sliding-window causal pattern (returns None: the kernel masks) and
+    rejects other patterns that come with a local_size, such as a chunked one."""
+    from transformers.masking_utils import and_masks, chunked_overlay, sliding_window_causal_mask_function
+
+    common = dict(batch_size=1, q_length=16, kv_length=16, allow_is_causal_skip=True, dtype=torch.float32)
+    assert fah_tf.flash_attn_hopper_mask(mask_function=sliding_window_causal_mask_function(5), local_size=5,
+                                         **common) is None
+    with pytest.raises(ValueError, match="mask pattern"):  # the window does not match local_size
+        fah_tf.flash_attn_hopper_mask(mask_function=sliding_window_causal_mask_function(6), local_size=5, **common)
+    chunked = and_masks(chunked_overlay(4, torch.zeros(1, dtype=torch.long)), sliding_window_causal_mask_function(5))
+    with pytest.raises(ValueError, match="mask pattern"):
+        fah_tf.flash_attn_hopper_mask(mask_function=chunked, local_size=5, **common)
 
 
 @requires_transformers
@@ -427,3 +461,82 @@ def test_model_cached_decoding_matches_sdpa_with_reference_kernel(fah_tf, refere
         for t in range(17, 20):
             pieces.append(ours(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-5)
+
+
+def _mistral_config(**overrides):
+    from transformers import MistralConfig
+
+    kwargs = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, sliding_window=8)
+    kwargs.update(overrides)
+    return MistralConfig(**kwargs)
+
+
+def _gemma2_config(**overrides):
+    from transformers import Gemma2Config
+
+    kwargs = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, vocab_size=97, max_position_embeddings=128, sliding_window=8,
+                  query_pre_attn_scalar=64, attn_logit_softcapping=2.0, final_logit_softcapping=None)
+    kwargs.update(overrides)
+    return Gemma2Config(**kwargs)
+
+
+def _compare_training_step(ours, other, ids):
+    results = []
+    for model in (ours, other):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        results.append((out.logits, out.loss, {n: p.grad for n, p in model.named_parameters()}))
+    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = results
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@requires_transformers
+def test_mistral_sliding_window_matches_sdpa_with_reference_kernel(fah_tf, reference_kernel):
+    """A Mistral model (sliding_window 8, GQA) over 33 tokens: logits, loss and gradients equal SDPA's, so the window
+    reaches the kernel as transformers' mask means it (a query sees itself and the 7 keys before it)."""
+    ours = _model(_mistral_config(), NAME)
+    sdpa = _model(_mistral_config(), "sdpa", seed=1)
+    sdpa.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 97, (2, 33))
+    _compare_training_step(ours, sdpa, ids)
+    # the window matters here: without it the logits differ
+    full = _model(_mistral_config(sliding_window=None), "sdpa", seed=1)
+    full.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(full(input_ids=ids).logits, ours(input_ids=ids).logits, atol=1e-3)
+
+
+@requires_transformers
+def test_mistral_sliding_window_cached_decoding(fah_tf, reference_kernel):
+    """Prefill then decoding with a DynamicCache past the window: the logits of one full SDPA pass."""
+    from transformers import DynamicCache
+
+    config = _mistral_config()
+    ours = _model(config, NAME).eval()
+    sdpa = _model(config, "sdpa", seed=1).eval()
+    sdpa.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        full = sdpa(input_ids=ids, use_cache=False).logits
+        cache = DynamicCache(config=ours.config)
+        pieces = [ours(input_ids=ids[:, :13], past_key_values=cache, use_cache=True).logits]
+        for t in range(13, 24):
+            pieces.append(ours(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-5)
+
+
+@requires_transformers
+def test_gemma2_softcap_and_sliding_layers_match_eager_with_reference_kernel(fah_tf, reference_kernel):
+    """Gemma 2 (alternating sliding / full layers, attention logit softcap 2, MQA): logits, loss and gradients equal
+    transformers' eager attention, which applies the softcap (SDPA does not)."""
+    ours = _model(_gemma2_config(), NAME)
+    eager = _model(_gemma2_config(), "eager", seed=1)
+    eager.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 97, (2, 21))
+    _compare_training_step(ours, eager, ids)
+

@@ -239,6 +239,73 @@ def test_causal_numpy_bool_accepted():
         attention(*_qkv(), causal=np.bool_(True))
 
 
+# ---------------------------------------------------------------------------------------------- window, softcap
+
+
+@pytest.mark.parametrize("bad", [5, (1, 2, 3), "ab", None, (1,)], ids=["int", "triple", "str", "None", "single"])
+def test_window_size_not_a_pair(bad):
+    with pytest.raises(TypeError, match=r"^window_size must be a pair \(left, right\) of ints"):
+        attention(*_qkv(), window_size=bad)
+
+
+@pytest.mark.parametrize("bad,side", [((1.0, 2), "left"), ((1, True), "right"), ((None, 0), "left")])
+def test_window_size_side_not_int(bad, side):
+    with pytest.raises(TypeError, match=rf"^window_size {side} side must be an int"):
+        attention(*_qkv(), window_size=bad)
+
+
+@pytest.mark.parametrize("bad,side", [((-2, 0), "left"), ((3, -5), "right")])
+def test_window_size_below_minus_one(bad, side):
+    with pytest.raises(ValueError, match=rf"^window_size {side} side must be >= -1 \(-1: unbounded\)"):
+        attention(*_qkv(), window_size=bad)
+
+
+def test_window_size_right_side_with_causal():
+    with pytest.raises(ValueError, match=r"^causal=True means a window right side of 0"):
+        attention(*_qkv(), causal=True, window_size=(4, 1))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (0, 0), (4, 0), (-1, 0), [3, 7], (2**40, 2**40)])
+def test_window_size_accepted(window):
+    np = pytest.importorskip("numpy")
+    # Accepted: the call proceeds to the device check (CPU tensors here).
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'"):
+        attention(*_qkv(), window_size=window)
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'"):
+        attention(*_qkv(), window_size=(np.int64(window[0]), window[1] if window[1] <= 0 else 0), causal=True)
+
+
+def test_window_size_with_causal_fixes_right_side():
+    assert interface._check_window((5, -1), True) == (5, 0)
+    assert interface._check_window((5, 0), True) == (5, 0)
+    assert interface._check_window((-1, -1), False) == (-1, -1)
+    assert interface._check_window((2**40, 3), False) == (2**31 - 1, 3)
+
+
+@pytest.mark.parametrize("bad", ["1", None, True, 1j], ids=["str", "None", "bool", "complex"])
+def test_softcap_wrong_type(bad):
+    with pytest.raises(TypeError, match=r"^softcap must be a float"):
+        attention(*_qkv(), softcap=bad)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), -0.5])
+def test_softcap_negative_or_not_finite(bad):
+    with pytest.raises(ValueError, match=r"^softcap must be finite and >= 0 \(0: off\)"):
+        attention(*_qkv(), softcap=bad)
+
+
+@pytest.mark.parametrize("softcap,scale", [(1e-39, 1.0), (1e38, 1e-3), (3e38, 1.0)])
+def test_softcap_out_of_float32_range(softcap, scale):
+    with pytest.raises(ValueError, match=r"softmax_scale / softcap and softcap \* log2\(e\) must be normal float32"):
+        attention(*_qkv(), softcap=softcap, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("softcap", [0, 0.0, 30, 50.0])
+def test_softcap_accepted(softcap):
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'"):
+        attention(*_qkv(), softcap=softcap)
+
+
 # ----------------------------------------------------------------------------------------------------- devices
 
 
@@ -302,7 +369,7 @@ def test_check_sm90_rejects_newer_and_older(monkeypatch, capability):
 
 
 def test_check_compiled_names_head_dim_and_dtype(monkeypatch):
-    monkeypatch.setattr(_ops, "build_config", lambda: {"head_dims": [128], "dtypes": [torch.float16]})
+    monkeypatch.setattr(_ops, "_compiled", lambda: ((128,), (torch.float16,)))
     with pytest.raises(ValueError, match=r"^q has head_dim 64, which this build does not include") as info:
         interface._check_compiled(64, torch.float16)
     assert "[128]" in str(info.value)
@@ -326,7 +393,9 @@ def test_missing_extension_raises_runtime_error(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "case", ["cpu_device", "bad_scale", "bad_causal", "head_dim_mismatch", "dtype_mismatch", "stride"]
+    "case",
+    ["cpu_device", "bad_scale", "bad_causal", "head_dim_mismatch", "dtype_mismatch", "stride", "bad_window",
+     "bad_softcap"],
 )
 def test_failed_call_leaves_inputs_unchanged(case):
     q, k, v = _qkv()
@@ -341,6 +410,10 @@ def test_failed_call_leaves_inputs_unchanged(case):
         k = k.to(torch.bfloat16)
     elif case == "stride":
         q = _transposed_view(q)
+    elif case == "bad_window":
+        kwargs["window_size"] = (-3, 0)
+    elif case == "bad_softcap":
+        kwargs["softcap"] = -1.0
     before = [(t.clone(), t.shape, t.stride(), t.dtype, t.data_ptr()) for t in (q, k, v)]
     with pytest.raises((TypeError, ValueError)):
         attention(q, k, v, **kwargs)

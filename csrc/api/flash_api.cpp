@@ -3,7 +3,9 @@
 // are the safety net for direct torch.ops calls.
 
 #include <cmath>
+#include <climits>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -101,6 +103,27 @@ void check_attention_inputs(at::Tensor const& q, at::Tensor const& k, at::Tensor
   TORCH_CHECK(nheads <= 65535 && q.size(0) <= 65535, "nheads and batch must be at most 65535");
 }
 
+// Causal, window and softcap as the params take them: causal is the window's right side 0 (a right side other
+// than -1 or 0 beside causal is a contradiction); -1 leaves a side unbounded; softcap 0 is off.
+struct ScoreOptions {
+  int window_left, window_right;
+  float softcap;
+};
+
+ScoreOptions check_score_options(double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                                 double softcap) {
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, "window_size entries must be >= -1 (-1: unbounded), got (",
+              window_left, ", ", window_right, ")");
+  TORCH_CHECK(!causal || window_right <= 0, "causal=True fixes the window's right side at 0, got window_size (",
+              window_left, ", ", window_right, ")");
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
+  TORCH_CHECK(softcap == 0 || std::isnormal(float(softmax_scale / softcap)),
+              "softmax_scale / softcap must be a normal float32 value");
+  // Sides beyond INT_MAX are unbounded in effect (the kernels clamp to the sequence lengths).
+  auto side = [](int64_t w) { return w < 0 || w > INT32_MAX ? -1 : int(w); };
+  return {side(window_left), causal ? 0 : side(window_right), float(softcap)};
+}
+
 // The compiled entry point of (head_dim, dtype), or an error naming what this build holds.
 template <class Run>
 Run* require_kernel(Run* run, int head_dim, at::ScalarType dtype) {
@@ -142,8 +165,10 @@ at::Tensor tma_ready(at::Tensor const& t) {
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
-                                       double softmax_scale, bool causal) {
+                                       double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                                       double softcap) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
+  ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
   int const seqlen_k = k_in.size(1);
   auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
@@ -172,8 +197,8 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
   p.batch = batch, p.nheads = nheads, p.nheads_k = int(k.size(2)), p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
   p.head_dim = head_dim;
   p.softmax_scale = float(softmax_scale);
-  p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
-  p.is_causal = causal;
+  p.softcap = opts.softcap;
+  p.window_left = opts.window_left, p.window_right = opts.window_right;
   p.pingpong = fwd_pingpong();
 
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
@@ -184,8 +209,11 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at::Tensor const& q_in,
                                                    at::Tensor const& k_in, at::Tensor const& v_in,
                                                    at::Tensor const& out_in, at::Tensor const& lse,
-                                                   double softmax_scale, bool causal) {
+                                                   std::optional<at::Tensor> const& dlse_in, double softmax_scale,
+                                                   bool causal, int64_t window_left, int64_t window_right,
+                                                   double softcap) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
+  ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
   check_qkv(out_in, "out", q_in);
   check_qkv(dout_in, "dout", q_in);
   TORCH_CHECK(out_in.sizes() == q_in.sizes() && dout_in.sizes() == q_in.sizes(),
@@ -196,6 +224,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
                   lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads &&
                   lse.size(2) == seqlen_q,
               "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
+  at::Tensor dlse;
+  if (dlse_in.has_value()) {
+    TORCH_CHECK(dlse_in->device() == q_in.device() && dlse_in->scalar_type() == at::kFloat &&
+                    dlse_in->sizes() == lse.sizes(),
+                "dlse must be a float32 tensor of lse's shape (batch, nheads, seqlen_q) on q's device");
+    dlse = dlse_in->contiguous();  // the gradient of lse.sum() arrives expanded (stride 0)
+  }
   auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -232,6 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   p.o_ptr = out.data_ptr();
   p.do_ptr = dout.data_ptr();
   p.lse_ptr = lse.data_ptr<float>();
+  p.dlse_ptr = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
   p.dq_ptr = dq.data_ptr();
   p.dk_ptr = dk.data_ptr();
   p.dv_ptr = dv.data_ptr();
@@ -251,8 +287,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   p.batch = batch, p.nheads = nheads, p.nheads_k = nheads_k, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
   p.seqlen_q_rounded = seqlen_q_rounded, p.head_dim = head_dim;
   p.softmax_scale = float(softmax_scale);
-  p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
-  p.is_causal = causal;
+  p.softcap = opts.softcap;
+  p.window_left = opts.window_left, p.window_right = opts.window_right;
 
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper backward launch failed: ", cudaGetErrorString(err));
@@ -266,10 +302,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
 }  // namespace
 
 TORCH_LIBRARY(flash_attn_hopper, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal) -> (Tensor out, Tensor lse)");
   m.def(
-      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, bool causal)"
-      " -> (Tensor dq, Tensor dk, Tensor dv)");
+      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right,"
+      " float softcap) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale,"
+      " bool causal, int window_left, int window_right, float softcap) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("build_config() -> str", &build_config);
 }
 

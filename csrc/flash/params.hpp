@@ -26,10 +26,12 @@ struct FwdParams {
   int seqlen_k;
   int head_dim;
 
-  float softmax_scale;       // > 0
-  float softmax_scale_log2;  // softmax_scale * log2(e), so exp(x * scale) == exp2(x * scale_log2)
-  bool is_causal;            // bottom-right aligned
-  bool pingpong;             // consumer warpgroups take turns issuing GEMMs (named barriers)
+  float softmax_scale;  // > 0
+  float softcap;        // > 0: scores become softcap * tanh(softmax_scale * QKᵀ / softcap); 0: none
+  // Row i sees key j iff i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right
+  // (bottom-right aligned); -1: that side unbounded. Causal is (-1, 0).
+  int window_left, window_right;
+  bool pingpong;  // consumer warpgroups take turns issuing GEMMs (named barriers)
 };
 
 struct BwdParams {
@@ -70,9 +72,13 @@ struct BwdParams {
   int seqlen_q_rounded;
   int head_dim;
 
-  float softmax_scale;
-  float softmax_scale_log2;
-  bool is_causal;
+  // Gradient of the loss with respect to the forward's LSE (batch, nheads, seqlen_q) contiguous fp32, or null
+  // when the loss does not use the LSE: dS gains P ∘ dLSE (d LSE_i / d S_ij = P_ij).
+  float const* dlse_ptr;
+
+  float softmax_scale;  // as FwdParams
+  float softcap;
+  int window_left, window_right;
 };
 
 }  // namespace flash

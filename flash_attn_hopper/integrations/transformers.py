@@ -18,8 +18,9 @@ Usage::
   (``masking_utils._preprocess_mask_arguments`` returns None for names it has no mask function for), so a padded
   batch would silently attend to its padding.
 
-What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, any softmax scale,
-fp16/bf16 (or fp32 under ``torch.autocast``), head_dim 64/128/256, no padding (attention_mask None or all ones), a
+What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, sliding windows
+(``config.sliding_window``, e.g. Mistral, Gemma 2's local layers), attention logit soft-capping (Gemma 2's
+``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim 64/128/256, no padding (attention_mask None or all ones), a
 DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in transformers' flash-attention path).
 Everything else raises a Python exception, naming what is unsupported, before any kernel runs.
 
@@ -107,8 +108,7 @@ def flash_attn_hopper_attention_forward(
         ValueError: ``attention_mask`` is not None (padding masks belong to the variable-length path, not available
             yet); ``dropout`` is not 0; and, from ``flash_attn_hopper.attention``, bad shapes, head_dim not
             64/128/256, tensors not on an sm90 CUDA device.
-        NotImplementedError: a sliding window, a softcap,
-            attention sinks (``s_aux``), a position bias, or variable-length (padding-free) keyword arguments.
+        NotImplementedError: attention sinks (``s_aux``), a position bias, or variable-length (padding-free) keyword arguments.
         TypeError: a dtype other than float16/bfloat16 outside autocast (for example a float32 model: load it with
             ``dtype=torch.bfloat16`` or run it under ``torch.autocast("cuda", dtype=torch.bfloat16)``).
         RuntimeError: the compiled extension is not available.
@@ -129,8 +129,6 @@ def flash_attn_hopper_attention_forward(
             "available yet: use batches without padding, or attn_implementation='sdpa' for padded batches."
         )
     unsupported = {
-        "sliding_window": sliding_window,
-        "softcap": softcap,
         "s_aux": kwargs.get("s_aux"),
         "position_bias": kwargs.get("position_bias"),
     }
@@ -166,6 +164,13 @@ def flash_attn_hopper_attention_forward(
             )
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window_size = (-1, -1)
+    if sliding_window is not None:
+        # transformers' sliding window W: a query sees itself and the W - 1 keys before it (and, bidirectional, the
+        # W - 1 after it), as in its mask functions and its flash-attention path.
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"{_where(module)}: sliding_window must be an int >= 1, got {sliding_window!r}")
+        window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
     # (batch, nheads, seqlen, head_dim) -> (batch, seqlen, nheads, head_dim): a view; the kernel reads these strides.
     attn_output = _interface.attention(
         query.transpose(1, 2),
@@ -173,6 +178,8 @@ def flash_attn_hopper_attention_forward(
         value.transpose(1, 2),
         softmax_scale=scaling,
         causal=causal,
+        window_size=window_size,
+        softcap=0.0 if softcap is None else softcap,
     )
     return attn_output, None
 
@@ -196,6 +203,21 @@ def _check_not_packed(module, position_ids):
         )
 
 
+def _is_sliding_causal(mask_function, window):
+    """Whether mask_function(batch, head, q, kv) is ``kv <= q and kv > q - window`` (transformers'
+    ``sliding_window_causal_mask_function(window)``), checked at the window's edges for a few query positions."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        return False
+    q = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3]).view(-1, 1)
+    kv = (q + torch.tensor([-window - 1, -window, -window + 1, -1, 0, 1])).clamp(min=0)
+    zero = torch.tensor(0)
+    try:
+        got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(kv.shape)
+    except Exception:  # not index-based; cannot be recognised
+        return False
+    return bool(torch.equal(got, (kv <= q) & (kv > q - window)))
+
+
 def flash_attn_hopper_mask(
     batch_size,
     q_length,
@@ -208,30 +230,32 @@ def flash_attn_hopper_mask(
 ):
     """transformers mask function (``AttentionMaskInterface`` signature) for ``flash_attn_hopper``.
 
-    Returns None when the attention is plain causal or plain bidirectional without padding (``attention_mask`` None or
-    all ones), so the attention function runs the kernel's own causal / full masking; otherwise returns the 2D boolean
+    Returns None when the attention is plain causal, plain bidirectional or causal with a sliding window (transformers'
+    ``sliding_window_causal_mask_function``, recognised by its ``local_size`` argument and checked on sample indices)
+    without padding (``attention_mask`` None or all ones), so the attention function runs the kernel's own masking; otherwise returns the 2D boolean
     padding mask ``(batch, kv_length)``, which ``flash_attn_hopper_attention_forward`` rejects with a ValueError. Same
     as transformers' ``flash_attention_mask``, plus two checks, skipped while torch.compile traces (the first because
     transformers composes a packed-sequence mask with every mask while tracing, the second because it needs a host
     value):
 
     Raises:
-        ValueError: the mask pattern is not plain causal or bidirectional (packed sequences detected from position_ids,
-            a sliding-window or chunked pattern, a custom ``or/and_mask_function``); or, without an attention_mask, the
-            key/value length is not ``q_offset + q_length`` (a StaticCache with empty slots, which would be attended).
+        ValueError: the mask pattern is not plain causal, bidirectional or sliding-window causal (packed sequences
+            detected from position_ids, a chunked pattern, a custom ``or/and_mask_function``); or, without an
+            attention_mask, the key/value length is not ``q_offset + q_length - kv_offset`` (a StaticCache with empty
+            slots, which would be attended).
     """
     if not torch.compiler.is_compiling():
-        if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function:
+        local_size = kwargs.get("local_size")
+        sliding = local_size is not None and _is_sliding_causal(mask_function, local_size)
+        if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function and not sliding:
             raise ValueError(
-                "flash_attn_hopper attention supports plain causal or bidirectional masks only; this model call "
-                f"needs the mask pattern {getattr(mask_function, '__name__', mask_function)!r}: a sliding window "
-                "(config.sliding_window, e.g. Mistral, Gemma 2), a chunked pattern, packed sequences in position_ids, "
-                "or a custom mask function. Sliding windows are not supported by this version of the integration; "
-                "for packed sequences pass position_ids that count up without restarting; otherwise use "
-                "attn_implementation='sdpa'."
+                "flash_attn_hopper attention supports plain causal, bidirectional and sliding-window causal masks "
+                f"only; this model call needs the mask pattern {getattr(mask_function, '__name__', mask_function)!r}: "
+                "a chunked pattern, packed sequences in position_ids, or a custom mask function. For packed sequences "
+                "pass position_ids that count up without restarting; otherwise use attn_implementation='sdpa'."
             )
-        if mask_function is causal_mask_function and attention_mask is None and kv_offset == 0:
-            filled = int(q_offset) + q_length
+        if (mask_function is causal_mask_function or sliding) and attention_mask is None:
+            filled = int(q_offset) + q_length - int(kv_offset)
             if kv_length != filled:
                 raise ValueError(
                     f"flash_attn_hopper attention: the cache returns {kv_length} key/value positions but only {filled} "

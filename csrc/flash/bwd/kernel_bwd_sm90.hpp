@@ -96,8 +96,11 @@ struct BwdTraitsBase {
     float* dk_accum_ptr;  // GQA/MQA: fp32 (batch, seqlen_k, nheads_k, head_dim) sums over a group; else null
     float* dv_accum_ptr;
     int nheads, nheads_k, seqlen_q, seqlen_k, seqlen_q_rounded;
-    float softmax_scale, softmax_scale_log2;
-    bool is_causal;
+    float softmax_scale;  // α: scales dK here and dQ in the postprocess
+    // Forward's score transform (flash/common/softmax.hpp, score_scales): P = exp2(x * score_scale_log2 − LSE_log2)
+    // with x = S_raw, or x = tanh(S_raw * softcap_pre) under a softcap.
+    float score_scale_log2, softcap_pre;
+    int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
   };
 };
 
@@ -230,14 +233,14 @@ struct BwdKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, 
   static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element);
 };
 
-// Query blocks whose rows see at least one key of n_block (bottom-right causal: row i sees key j iff
-// i >= j - seqlen_k + seqlen_q).
-template <int kBlockM, int kBlockN>
-CUTLASS_DEVICE void bwd_m_block_range(int n_block, int seqlen_q, int seqlen_k, bool is_causal, int& m_block_min,
-                                      int& m_block_max) {
-  m_block_max = cute::ceil_div(seqlen_q, kBlockM);
-  m_block_min = 0;
-  if (is_causal) { m_block_min = max(0, n_block * kBlockN + seqlen_q - seqlen_k) / kBlockM; }
+// Softcap: one element of t = tanh(S_raw * softcap_pre) (−inf where masked) and dP in; P and
+// dS = P ∘ (dP − D) ∘ (1 − t²) out (the chain rule through c·tanh(α S_raw / c); α is applied to dQ and dK later).
+// The clamp keeps a masked element's factor at 0 instead of 0·(1 − ∞).
+CUTLASS_DEVICE void softcap_p_ds(float& s, float& dp, float score_scale_log2, float lse_log2, float d) {
+  float const t = s;
+  s = exp2f(fmaf(t, score_scale_log2, -lse_log2));
+  float const tc = fmaxf(t, -1.f);
+  dp = s * (dp - d) * (1.f - tc * tc);
 }
 
 // Producer perspective.
@@ -392,7 +395,7 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
 //   Sᵀ, dPᵀ (SS) -> Pᵀ = exp2(Sᵀ·scale_log2 − LSE_log2), dSᵀ = Pᵀ ∘ (dPᵀ − D) -> dV += Pᵀ dO (RS, issued first)
 //   -> dS to shared memory, one barrier -> dQ_tile = dS K (SS) and dK += dSᵀ Q (RS) -> dQ_tile to shared memory
 //   for the writer warp while dK runs.
-template <class Traits>
+template <class Traits, bool kSoftcap>
 CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                          typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,
                                          int bidb, int m_block_min, int m_block_max) {
@@ -439,7 +442,9 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
   // (key, row) of each Sᵀ element this thread holds.
   Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  Mask<kBlockM, kBlockN> mask{params.seqlen_q, params.seqlen_k, params.is_causal};
+  Window<kBlockM, kBlockN> const window{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right};
+  int interior_lo, interior_hi;
+  window.interior_m_blocks(n_block, interior_lo, interior_hi);
   int const warpgroup = mma_tidx / cutlass::NumThreadsPerWarpGroup;
   int const wg_tidx = mma_tidx % cutlass::NumThreadsPerWarpGroup;
   float* sdq_chunk = ss.smem_dq.data() + warpgroup * Traits::kDQChunkFloats;
@@ -460,24 +465,39 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
       pipeline.consumer_wait(read_state);
       wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
       wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
-      warpgroup_wait<1>();  // Sᵀ is ready; dPᵀ may still be in flight
-
-      if (mask.needs_mask(m_block, n_block)) { mask.apply_transposed(tSrS, tScS, m_block, n_block); }
       // Padded rows have LSE_log2 = +inf: P = 0 there.
-      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (keys, rows)
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        float const lse = lse_log2[get<1>(tScS_rc(0, j))];
+      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));     // (keys, rows)
+      Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));  // (keys, rows)
+      if constexpr (!kSoftcap) {
+        warpgroup_wait<1>();  // Sᵀ is ready; dPᵀ may still be in flight
+        if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
         CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < size<0>(s); ++r) { s(r, j) = exp2f(fmaf(s(r, j), params.softmax_scale_log2, -lse)); }
-      }
-      warpgroup_wait<0>();
-      Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(dp); ++j) {
-        float const d = dpsum[get<1>(tScS_rc(0, j))];
+        for (int j = 0; j < size<1>(s); ++j) {
+          float const lse = lse_log2[get<1>(tScS_rc(0, j))];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(s); ++r) { s(r, j) = exp2f(fmaf(s(r, j), params.score_scale_log2, -lse)); }
+        }
+        warpgroup_wait<0>();
         CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < size<0>(dp); ++r) { dp(r, j) = s(r, j) * (dp(r, j) - d); }
+        for (int j = 0; j < size<1>(dp); ++j) {
+          float const d = dpsum[get<1>(tScS_rc(0, j))];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(dp); ++r) { dp(r, j) = s(r, j) * (dp(r, j) - d); }
+        }
+      } else {
+        // dS needs tanh' = 1 − t² beside P: wait for both GEMMs and derive P and dS in one pass, so t needs no
+        // registers of its own.
+        warpgroup_wait<0>();
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh(tSrS(i) * params.softcap_pre); }
+        if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          float const lse = lse_log2[get<1>(tScS_rc(0, j))];
+          float const d = dpsum[get<1>(tScS_rc(0, j))];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(s); ++r) { softcap_p_ds(s(r, j), dp(r, j), params.score_scale_log2, lse, d); }
+        }
       }
       Tensor tdVrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));
       Tensor tdKrdS = make_tensor<Element>(acc_to_a_operand(tdPrdP.layout()));
@@ -521,7 +541,7 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
 }
 
 // Consumer perspective (mma_tidx in [0, NumMmaThreads)).
-template <class Traits>
+template <class Traits, bool kSoftcap>
 CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh, int bidb,
                                  int m_block_min, int m_block_max) {
@@ -575,7 +595,9 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kDQCols = Traits::kDQCols;
   Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQCols>>{}));
-  Mask<kBlockM, kBlockN> mask{params.seqlen_q, params.seqlen_k, params.is_causal};
+  Window<kBlockM, kBlockN> const window{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right};
+  int interior_lo, interior_hi;
+  window.interior_m_blocks(n_block, interior_lo, interior_hi);
 
   int64_t const row_base = (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded;
   float const* lse_log2 = params.lse_log2_ptr + row_base;
@@ -601,21 +623,36 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
       pipeline.consumer_wait(read_state);
       wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
       wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP);
-      warpgroup_wait<1>();  // S is ready; dP may still be in flight
-
-      if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
       Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) { s(r, j) = exp2f(fmaf(s(r, j), params.softmax_scale_log2, -lse_row[r])); }
-      }
-      warpgroup_wait<0>();
       Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
+      if constexpr (!kSoftcap) {
+        warpgroup_wait<1>();  // S is ready; dP may still be in flight
+        if (m_block < interior_lo || m_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
         CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(dp); ++j) { dp(r, j) = s(r, j) * (dp(r, j) - dpsum_row[r]); }
+        for (int r = 0; r < kRows; ++r) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(s); ++j) {
+            s(r, j) = exp2f(fmaf(s(r, j), params.score_scale_log2, -lse_row[r]));
+          }
+        }
+        warpgroup_wait<0>();
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(dp); ++j) { dp(r, j) = s(r, j) * (dp(r, j) - dpsum_row[r]); }
+        }
+      } else {  // as in bwd_consumer_swapped
+        warpgroup_wait<0>();
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh(tSrS(i) * params.softcap_pre); }
+        if (m_block < interior_lo || m_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(s); ++j) {
+            softcap_p_ds(s(r, j), dp(r, j), params.score_scale_log2, lse_row[r], dpsum_row[r]);
+          }
+        }
       }
       Tensor tPrP = convert_type<Element>(tSrS);
       Tensor tdSrdS = convert_type<Element>(tdPrdP);
@@ -661,7 +698,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   store_dkv<Traits>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, bidb);
 }
 
-template <class Traits>
+template <class Traits, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::NumThreads, 1)
     flash_bwd_sm90_kernel(CUTE_GRID_CONSTANT typename Traits::Params const params) {
   using Pipeline = typename Traits::Pipeline;
@@ -695,8 +732,8 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   __syncthreads();
 
   int m_block_min, m_block_max;
-  bwd_m_block_range<Traits::kBlockM, Traits::kBlockN>(n_block, params.seqlen_q, params.seqlen_k, params.is_causal,
-                                                       m_block_min, m_block_max);
+  Window<Traits::kBlockM, Traits::kBlockN>{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right}
+      .m_block_range(n_block, m_block_min, m_block_max);
 
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
@@ -713,9 +750,9 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     if constexpr (Traits::kSwapSdP) {
-      bwd_consumer_swapped<Traits>(params, ss, pipeline, mma_tidx, n_block, bidh, bidb, m_block_min, m_block_max);
+      bwd_consumer_swapped<Traits, kSoftcap>(params, ss, pipeline, mma_tidx, n_block, bidh, bidb, m_block_min, m_block_max);
     } else {
-      bwd_consumer<Traits>(params, ss, pipeline, mma_tidx, n_block, bidh, bidb, m_block_min, m_block_max);
+      bwd_consumer<Traits, kSoftcap>(params, ss, pipeline, mma_tidx, n_block, bidh, bidb, m_block_min, m_block_max);
     }
   }
 }

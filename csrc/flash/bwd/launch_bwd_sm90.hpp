@@ -10,6 +10,8 @@
 
 #include "flash/bwd/kernel_bwd_sm90.hpp"
 #include "flash/bwd/prepost_bwd_sm90.hpp"
+#include "flash/common/mask.hpp"
+#include "flash/common/softmax.hpp"
 #include "flash/common/tma.hpp"
 #include "flash/config.hpp"
 #include "flash/params.hpp"
@@ -29,9 +31,12 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   // The workspaces' rows: whole tiles of every kBlockM (bulk copies of LSE/D, dQ chunks, postprocess grid).
-  if (p.seqlen_q_rounded < p.seqlen_q || p.seqlen_q_rounded % kBwdSeqlenQRounding != 0) {
+  if (p.seqlen_q_rounded < p.seqlen_q || p.seqlen_q_rounded % kBwdSeqlenQRounding != 0 || !(p.softcap >= 0.f)) {
     return cudaErrorInvalidValue;
   }
+  ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
+  int window_left, window_right;
+  kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
 
   {
     constexpr int kWarps = 8;
@@ -85,10 +90,12 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       p.seqlen_k,
       p.seqlen_q_rounded,
       p.softmax_scale,
-      p.softmax_scale_log2,
-      p.is_causal,
+      scales.score_scale_log2,
+      scales.softcap_pre,
+      window_left,
+      window_right,
   };
-  auto kernel = flash_bwd_sm90_kernel<Traits>;
+  auto kernel = p.softcap > 0.f ? flash_bwd_sm90_kernel<Traits, true> : flash_bwd_sm90_kernel<Traits, false>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }

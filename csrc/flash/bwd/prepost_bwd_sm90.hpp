@@ -1,6 +1,7 @@
 // Memory-bound kernels around the backward main kernel.
-//   preprocess:  D = rowsum(dO ∘ O) in fp32 and LSE·log2(e) per query row (padding rows: D = 0, LSE_log2 = +inf,
-//                and +inf too for rows that saw no key, so that P = exp2(S·scale_log2 − LSE_log2) is 0 there).
+//   preprocess:  D = rowsum(dO ∘ O) − dLSE in fp32 and LSE·log2(e) per query row (padding rows: D = 0,
+//                LSE_log2 = +inf, and +inf too for rows that saw no key, so that P = exp2(x·scale_log2 − LSE_log2)
+//                is 0 there). dLSE (when the loss uses the LSE) folds into D because dS = P ∘ (dP − D) + P ∘ dLSE.
 //   postprocess: dQ = softmax_scale · dQ_accum, converted to the input dtype, into dQ's strided layout.
 #pragma once
 
@@ -45,8 +46,12 @@ __global__ void flash_bwd_preprocess_kernel(BwdParams const p) {
     int64_t const idx = (int64_t(bidb) * p.nheads + bidh) * p.seqlen_q_rounded + row;
     float lse_log2 = INFINITY;
     if (row < p.seqlen_q) {
-      float const lse = p.lse_ptr[(int64_t(bidb) * p.nheads + bidh) * p.seqlen_q + row];
-      if (lse != -INFINITY) { lse_log2 = lse * float(M_LOG2E); }
+      int64_t const row_idx = (int64_t(bidb) * p.nheads + bidh) * p.seqlen_q + row;
+      float const lse = p.lse_ptr[row_idx];
+      if (lse != -INFINITY) {  // a row that saw no key has P = 0: its dLSE (even inf or NaN) must not leak in
+        lse_log2 = lse * float(M_LOG2E);
+        if (p.dlse_ptr != nullptr) { dot -= p.dlse_ptr[row_idx]; }
+      }
     }
     p.lse_log2_ptr[idx] = lse_log2;
     p.dpsum_ptr[idx] = dot;

@@ -1,4 +1,8 @@
-// Sequence-length and causal masking of one S tile, and the range of key blocks a query block must visit.
+// Masking of S tiles and the ranges of blocks a tile must visit, for one rule that covers causal, sliding-window and
+// sequence-length bounds (DESIGN.md §2): query row i sees key j iff 0 <= j < seqlen_k and
+//   i + offset - window_left <= j <= i + offset + window_right,   offset = seqlen_k - seqlen_q (bottom-right).
+// The host passes an unbounded side as a value no distance can exceed (kernel_window), so there is one code path;
+// causal is (unbounded, 0). All sums below stay within int for seqlen_q + seqlen_k < 2^30.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -9,35 +13,64 @@ namespace flash {
 
 using namespace cute;
 
-// Key blocks [n_block_min, n_block_max) that hold at least one key visible to query block m_block.
-// Causal is bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q.
-template <int kBlockM, int kBlockN>
-struct BlockRange {
-  int n_block_min;
-  int n_block_max;
-
-  CUTLASS_DEVICE BlockRange(int m_block, int seqlen_q, int seqlen_k, bool is_causal) {
-    n_block_min = 0;
-    n_block_max = cute::ceil_div(seqlen_k, kBlockN);
-    if (is_causal) {
-      int const last_row = min((m_block + 1) * kBlockM, seqlen_q) - 1;
-      int const cols_visible = last_row + 1 + seqlen_k - seqlen_q;  // keys [0, cols_visible) for the last row
-      n_block_max = min(n_block_max, cute::ceil_div(max(cols_visible, 0), kBlockN));
-    }
-  }
-  CUTLASS_DEVICE bool empty() const { return n_block_max <= n_block_min; }
-};
+// Host: the user's window sides (-1 = unbounded) as the kernels take them: a side that no distance can exceed
+// (left > seqlen_k, right > seqlen_q) becomes that bound plus a tile's worth of rows, so unbounded and very wide
+// windows share one path, the padding rows of a last tile still see every key (no needless masking), and the kernels'
+// sums cannot overflow.
+constexpr int kWindowHeadroom = 256;  // >= every kBlockM and kBlockN
+inline void kernel_window(int window_left, int window_right, int seqlen_q, int seqlen_k, int& left, int& right) {
+  left = (window_left < 0 || window_left > seqlen_k) ? seqlen_k + kWindowHeadroom : window_left;
+  right = (window_right < 0 || window_right > seqlen_q) ? seqlen_q + kWindowHeadroom : window_right;
+}
 
 template <int kBlockM, int kBlockN>
-struct Mask {
+struct Window {
   int seqlen_q, seqlen_k;
-  bool is_causal;
+  int window_left, window_right;  // >= 0
 
-  // Whether some element of tile (m_block, n_block) is masked: the tile crosses seqlen_k or the causal diagonal.
-  CUTLASS_DEVICE bool needs_mask(int m_block, int n_block) const {
-    int const last_col = (n_block + 1) * kBlockN - 1;
-    if (last_col >= seqlen_k) { return true; }
-    return is_causal && last_col > m_block * kBlockM + seqlen_k - seqlen_q;
+  CUTLASS_DEVICE int offset() const { return seqlen_k - seqlen_q; }
+
+  // Key blocks [n_block_min, n_block_max) holding at least one key visible to some row of query block m_block.
+  CUTLASS_DEVICE void n_block_range(int m_block, int& n_block_min, int& n_block_max) const {
+    int const first_row = m_block * kBlockM;
+    int const last_row = min(first_row + kBlockM, seqlen_q) - 1;
+    int const lo = max(first_row + offset() - window_left, 0);               // first visible key of any row
+    int const hi = min(last_row + offset() + window_right + 1, seqlen_k);    // one past the last one
+    n_block_min = lo / kBlockN;
+    n_block_max = hi <= lo ? n_block_min : cute::ceil_div(hi, kBlockN);
+  }
+
+  // Query blocks [m_block_min, m_block_max) holding at least one row that sees some key of key block n_block.
+  CUTLASS_DEVICE void m_block_range(int n_block, int& m_block_min, int& m_block_max) const {
+    int const first_key = n_block * kBlockN;
+    int const last_key = min(first_key + kBlockN, seqlen_k) - 1;
+    int const lo = max(first_key - offset() - window_right, 0);             // first row that sees some key
+    int const hi = min(last_key - offset() + window_left + 1, seqlen_q);    // one past the last such row
+    m_block_min = lo / kBlockM;
+    m_block_max = hi <= lo ? m_block_min : cute::ceil_div(hi, kBlockM);
+  }
+
+  // Interior tiles (every element visible, seqlen_k not crossed; rows past seqlen_q count as rows, their results
+  // are discarded) form a contiguous run of blocks along either axis. Each consumer computes its run once, so the
+  // per-tile test is two compares on two registers (what keeps the register-tight kernels spill-free).
+  // Key blocks [lo, hi) interior for query block m_block:
+  CUTLASS_DEVICE void interior_n_blocks(int m_block, int& lo, int& hi) const {
+    int const first_row = m_block * kBlockM, last_row = first_row + kBlockM - 1;
+    lo = cute::ceil_div(max(last_row + offset() - window_left, 0), kBlockN);          // first_col >= left edge
+    hi = max(min(first_row + offset() + window_right + 1, seqlen_k), 0) / kBlockN;   // last_col <= right edge
+  }
+  // Query blocks [lo, hi) interior for key block n_block:
+  CUTLASS_DEVICE void interior_m_blocks(int n_block, int& lo, int& hi) const {
+    int const first_col = n_block * kBlockN, last_col = first_col + kBlockN - 1;
+    lo = cute::ceil_div(max(last_col - offset() - window_right, 0), kBlockM);
+    hi = last_col >= seqlen_k ? 0 : max(first_col - offset() + window_left + 1, 0) / kBlockM;
+  }
+
+  // Tile-local key limits [lo, hi) of query row `row` (global index) in key block n_block.
+  CUTLASS_DEVICE void key_limits(int row, int n_block, int& lo, int& hi) const {
+    int const base = row + offset() - n_block * kBlockN;
+    lo = base - window_left;
+    hi = min(base + window_right + 1, seqlen_k - n_block * kBlockN);
   }
 
   // tSrS: the S accumulator; tScS: the same partition of an identity tensor (row, col within the tile).
@@ -45,16 +78,14 @@ struct Mask {
   CUTLASS_DEVICE void apply(TensorS& tSrS, TensorC const& tScS, int m_block, int n_block) const {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (rows, cols)
     Tensor c = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-    int const col_limit_seqlen = seqlen_k - n_block * kBlockN;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < size<0>(s); ++r) {
-      int const row = m_block * kBlockM + get<0>(c(r, 0));
-      // Columns (tile-local) at or past the limit are masked.
-      int col_limit = col_limit_seqlen;
-      if (is_causal) { col_limit = min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * kBlockN); }
+      int lo, hi;
+      key_limits(m_block * kBlockM + get<0>(c(r, 0)), n_block, lo, hi);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
-        if (get<1>(c(r, j)) >= col_limit) { s(r, j) = -INFINITY; }
+        int const col = get<1>(c(r, j));
+        if (col < lo || col >= hi) { s(r, j) = -INFINITY; }
       }
     }
   }
@@ -62,14 +93,12 @@ struct Mask {
   // The same for a transposed tile: tStS holds Sᵀ, tStC the (key, row) coordinates within the tile.
   template <class TensorS, class TensorC>
   CUTLASS_DEVICE void apply_transposed(TensorS& tStS, TensorC const& tStC, int m_block, int n_block) const {
-    int const key_limit_seqlen = seqlen_k - n_block * kBlockN;
-    // Row `row` sees tile-local keys below row + causal_offset.
-    int const causal_offset = m_block * kBlockM + 1 + seqlen_k - seqlen_q - n_block * kBlockN;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tStS); ++i) {
-      int const key = get<0>(tStC(i)), row = get<1>(tStC(i));
-      int const key_limit = is_causal ? min(key_limit_seqlen, row + causal_offset) : key_limit_seqlen;
-      if (key >= key_limit) { tStS(i) = -INFINITY; }
+      int const key = get<0>(tStC(i));
+      int lo, hi;
+      key_limits(m_block * kBlockM + get<1>(tStC(i)), n_block, lo, hi);
+      if (key < lo || key >= hi) { tStS(i) = -INFINITY; }
     }
   }
 };

@@ -11,6 +11,17 @@ namespace flash {
 
 using namespace cute;
 
+// Host: how raw scores S_raw = Q Kᵀ enter the softmax. Without softcap, x = S_raw and the exponent scale is
+// softmax_scale; with a softcap c, x = tanh(S_raw * softmax_scale / c) and the scale is c, so the softmax sees
+// c * tanh(softmax_scale * S_raw / c). score_scale_log2 folds log2(e) in for exp2.
+struct ScoreScales {
+  float score_scale, score_scale_log2, softcap_pre;
+};
+inline ScoreScales score_scales(float softmax_scale, float softcap) {
+  float const scale = softcap > 0.f ? softcap : softmax_scale;
+  return {scale, float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
+}
+
 // Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds.
 // scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
 // one FFMA per element.

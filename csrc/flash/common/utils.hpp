@@ -1,6 +1,8 @@
 // Register-fragment helpers shared by the kernels: WGMMA issue, accumulator views, conversions, quad reductions.
 #pragma once
 
+#include <cmath>
+
 #include <cute/tensor.hpp>
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
@@ -86,6 +88,14 @@ CUTLASS_DEVICE float quad_max(float x) {
 CUTLASS_DEVICE float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// tanh for the softcap, as 1 - 2 / (exp(2x) + 1): absolute error ~1e-7 (tanh.approx.f32 has a relative error of
+// 2^-11, which the softcap's factor c turns into score errors larger than the fp16 reference's). Saturates to
+// +-1 for large |x|; NaN stays NaN. Forward and backward call this same function, so P recomputed in the backward
+// matches the forward's LSE.
+CUTLASS_DEVICE float softcap_tanh(float x) {
+  return 1.f - __fdividef(2.f, exp2f(x * float(2.0 * M_LOG2E)) + 1.f);
 }
 
 }  // namespace flash

@@ -95,8 +95,10 @@ struct FwdKernelTraits {
     float* lse_ptr;
     int nheads, seqlen_q, seqlen_k;
     int qheads_per_kvhead;  // GQA/MQA group size (1 for MHA)
-    float softmax_scale, softmax_scale_log2;
-    bool is_causal;
+    // Scores enter the softmax as x * score_scale: x = S_raw, score_scale = softmax_scale; or, with a softcap c,
+    // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and score_scale = c.
+    float score_scale, score_scale_log2, softcap_pre;
+    int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     bool pingpong;
   };
 };
@@ -144,8 +146,9 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
   pipeline_v.producer_tail(write_state);
 }
 
-// Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)).
-template <class Traits>
+// Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). kSoftcap is a template
+// argument, not a runtime flag: its live registers made head_dim 256 spill even with the flag off.
+template <class Traits, bool kSoftcap>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
                                  int mma_tidx, int m_block, int bidh, int bidb, int n_block_min, int n_block_max) {
@@ -167,8 +170,19 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
-  OnlineSoftmax<kRows> softmax(params.softmax_scale_log2);
-  Mask<kBlockM, kBlockN> mask{params.seqlen_q, params.seqlen_k, params.is_causal};
+  OnlineSoftmax<kRows> softmax(params.score_scale_log2);
+  Window<kBlockM, kBlockN> const window{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right};
+  int interior_lo, interior_hi;
+  window.interior_n_blocks(m_block, interior_lo, interior_hi);
+  // Raw S -> the scores the softmax sees: softcap (before the mask, so masked scores stay -inf), then the mask on
+  // tiles that cross a boundary.
+  auto prepare_scores = [&](auto& tSrS, int n_block) {
+    if constexpr (kSoftcap) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh(tSrS(i) * params.softcap_pre); }
+    }
+    if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
+  };
   clear(tOrO);
 
   // Ping-pong between the two consumer warpgroups (FlashAttention-3 paper §3.1): a warpgroup issues its GEMMs only
@@ -202,7 +216,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     warpgroup_wait<0>();
     pipeline_k.consumer_release(k_state);
     ++k_state;
-    if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
+    prepare_scores(tSrS, n_block);
     softmax.step(tSrS);  // O is still zero: nothing to rescale
     convert_type_into(tSrS, tOrP);
 
@@ -221,7 +235,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         warpgroup_wait<0>();
         pipeline_k.consumer_release(k_state);
         ++k_state;
-        if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
+        prepare_scores(tSrS, n_block);
         OnlineSoftmax<kRows>::scale_rows(tOrO, softmax.step(tSrS));
         convert_type_into(tSrS, tOrP);
         continue;
@@ -235,7 +249,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
       pipeline_k.consumer_release(k_state);
       ++k_state;
-      if (mask.needs_mask(m_block, n_block)) { mask.apply(tSrS, tScS, m_block, n_block); }
+      prepare_scores(tSrS, n_block);
       auto rescale = softmax.step(tSrS);
       warpgroup_wait<0>();  // O and the registers of P are free again
       pipeline_v.consumer_release(v_state);
@@ -256,7 +270,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q are not written).
   cute::array<float, kRows> lse;
-  auto inv_sum = softmax.finalize(params.softmax_scale, lse);
+  auto inv_sum = softmax.finalize(params.score_scale, lse);
   OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
   Tensor tOrO_out = convert_type<Element>(tOrO);
   Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
@@ -283,7 +297,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   }
 }
 
-template <class Traits>
+template <class Traits, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::NumThreads, 1)
     flash_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename Traits::Params const params) {
   using Pipeline = typename Traits::Pipeline;
@@ -316,19 +330,20 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  BlockRange<Traits::kBlockM, Traits::kBlockN> range(m_block, params.seqlen_q, params.seqlen_k, params.is_causal);
+  int n_block_min, n_block_max;
+  Window<Traits::kBlockM, Traits::kBlockN>{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right}
+      .n_block_range(m_block, n_block_min, n_block_max);
 
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     // The pipeline's leader (thread 0) is the one thread that issues every TMA load.
-    if (threadIdx.x == 0 && !range.empty()) {
-      fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, m_block, bidh, bidb, range.n_block_min,
-                           range.n_block_max);
+    if (threadIdx.x == 0 && n_block_max > n_block_min) {
+      fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, m_block, bidh, bidb, n_block_min, n_block_max);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    fwd_consumer<Traits>(params, ss, pipeline_k, pipeline_v, threadIdx.x - cutlass::NumThreadsPerWarpGroup, m_block,
-                         bidh, bidb, range.n_block_min, range.n_block_max);
+    fwd_consumer<Traits, kSoftcap>(params, ss, pipeline_k, pipeline_v, threadIdx.x - cutlass::NumThreadsPerWarpGroup,
+                                   m_block, bidh, bidb, n_block_min, n_block_max);
   }
 }
 

@@ -17,7 +17,10 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   using Cfg = FwdTileConfig<kHeadDim>;
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap>;
   if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
-  if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0) { return cudaErrorInvalidValue; }
+  if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || !(p.softcap >= 0.f)) { return cudaErrorInvalidValue; }
+  ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
+  int window_left, window_right;
+  kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
   auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
     return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, p.batch, row, head, batch);
   };
@@ -43,13 +46,15 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       p.seqlen_q,
       p.seqlen_k,
       p.nheads / p.nheads_k,
-      p.softmax_scale,
-      p.softmax_scale_log2,
-      p.is_causal,
+      scales.score_scale,
+      scales.score_scale_log2,
+      scales.softcap_pre,
+      window_left,
+      window_right,
       p.pingpong,
   };
 
-  auto kernel = flash_fwd_sm90_kernel<Traits>;
+  auto kernel = p.softcap > 0.f ? flash_fwd_sm90_kernel<Traits, true> : flash_fwd_sm90_kernel<Traits, false>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) { return err; }

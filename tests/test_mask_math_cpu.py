@@ -1,0 +1,150 @@
+"""The kernels' tile-index math for masks (csrc/flash/common/mask.hpp: kernel_window, Window::n_block_range,
+m_block_range, needs_mask, key_limits), ported line for line to Python and checked exhaustively on CPU against the
+element-wise rule of DESIGN.md §2 (``flash_attn_hopper.testing.local_mask``):
+
+- every visible (row, key) lies in a visited tile, from both sides (forward: key blocks of a query block; backward:
+  query blocks of a key block), and every visited tile holds a visible element (cost follows the window);
+- a tile in the interior run of ``interior_n_blocks`` / ``interior_m_blocks`` holds only visible elements (rows
+  past seqlen_q excepted), and the runs are exact away from those rows;
+- ``key_limits`` gives each row's visible keys within a tile exactly.
+
+A port can drift from the C++; the GPU tests (tests/test_features_gpu.py) check the kernels themselves."""
+
+import itertools
+
+import pytest
+import torch
+
+from flash_attn_hopper.testing import local_mask
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+HEADROOM = 256  # kWindowHeadroom
+
+
+def kernel_window(window_left, window_right, seqlen_q, seqlen_k):
+    left = seqlen_k + HEADROOM if window_left < 0 or window_left > seqlen_k else window_left
+    right = seqlen_q + HEADROOM if window_right < 0 or window_right > seqlen_q else window_right
+    return left, right
+
+
+class Window:
+    def __init__(self, block_m, block_n, seqlen_q, seqlen_k, left, right):
+        self.bm, self.bn, self.sq, self.sk, self.left, self.right = block_m, block_n, seqlen_q, seqlen_k, left, right
+
+    def offset(self):
+        return self.sk - self.sq
+
+    def n_block_range(self, m_block):
+        first_row = m_block * self.bm
+        last_row = min(first_row + self.bm, self.sq) - 1
+        lo = max(first_row + self.offset() - self.left, 0)
+        hi = min(last_row + self.offset() + self.right + 1, self.sk)
+        n_min = lo // self.bn  # C++ int division of a value >= 0
+        return n_min, (n_min if hi <= lo else ceil_div(hi, self.bn))
+
+    def m_block_range(self, n_block):
+        first_key = n_block * self.bn
+        last_key = min(first_key + self.bn, self.sk) - 1
+        lo = max(first_key - self.offset() - self.right, 0)
+        hi = min(last_key - self.offset() + self.left + 1, self.sq)
+        m_min = lo // self.bm
+        return m_min, (m_min if hi <= lo else ceil_div(hi, self.bm))
+
+    def interior_n_blocks(self, m_block):
+        first_row, last_row = m_block * self.bm, m_block * self.bm + self.bm - 1
+        lo = ceil_div(max(last_row + self.offset() - self.left, 0), self.bn)
+        hi = max(min(first_row + self.offset() + self.right + 1, self.sk), 0) // self.bn
+        return lo, hi
+
+    def interior_m_blocks(self, n_block):
+        first_col, last_col = n_block * self.bn, n_block * self.bn + self.bn - 1
+        lo = ceil_div(max(last_col - self.offset() - self.right, 0), self.bm)
+        hi = 0 if last_col >= self.sk else max(first_col - self.offset() + self.left + 1, 0) // self.bm
+        return lo, hi
+
+    def key_limits(self, row, n_block):
+        base = row + self.offset() - n_block * self.bn
+        return base - self.left, min(base + self.right + 1, self.sk - n_block * self.bn)
+
+
+def _check(block_m, block_n, seqlen_q, seqlen_k, window, causal):
+    left, right = window
+    if causal:
+        right = 0
+    visible = local_mask(seqlen_q, seqlen_k, (left, right))
+    w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(left, right, seqlen_q, seqlen_k))
+    m_blocks, n_blocks = ceil_div(seqlen_q, block_m), ceil_div(seqlen_k, block_n)
+    where = f"{block_m}x{block_n} seqlens {seqlen_q}x{seqlen_k} window {window} causal {causal}"
+
+    def tile(m, n):
+        return visible[m * block_m : (m + 1) * block_m, n * block_n : (n + 1) * block_n]
+
+    full_rows = m_blocks * block_m  # the mask over whole tiles of rows, rows past seqlen_q included
+    i = torch.arange(full_rows).unsqueeze(1)
+    j = torch.arange(n_blocks * block_n).unsqueeze(0)
+    diag = i + (seqlen_k - seqlen_q)
+    # with the kernel's window (kernel_window): the same as the rule for real rows, and no masking of padding rows
+    # where the rule is unbounded
+    whole = (j < seqlen_k) & (j >= diag - w.left) & (j <= diag + w.right)
+
+    def whole_tile(m, n):
+        return whole[m * block_m : (m + 1) * block_m, n * block_n : (n + 1) * block_n]
+
+    for m in range(m_blocks):
+        n_min, n_max = w.n_block_range(m)
+        lo, hi = w.interior_n_blocks(m)
+        for n in range(n_blocks):
+            inside = n_min <= n < n_max
+            assert inside == bool(tile(m, n).any()), f"{where}: forward m_block {m} n_block {n} range ({n_min}, {n_max})"
+            assert (lo <= n < hi) == bool(whole_tile(m, n).all()), f"{where}: forward interior ({lo}, {hi}) at {m}, {n}"
+            if lo <= n < hi:
+                t = tile(m, n)
+                assert t.shape[1] == block_n and bool(t.all()), f"{where}: tile ({m}, {n}) is not interior"
+            for r in range(m * block_m, min((m + 1) * block_m, seqlen_q)):
+                key_lo, key_hi = w.key_limits(r, n)
+                cols = torch.arange(min(block_n, seqlen_k - n * block_n))
+                expect = visible[r, n * block_n : (n + 1) * block_n]
+                assert torch.equal((cols >= key_lo) & (cols < key_hi), expect), f"{where}: key_limits row {r} n_block {n}"
+    for n in range(n_blocks):
+        m_min, m_max = w.m_block_range(n)
+        lo, hi = w.interior_m_blocks(n)
+        for m in range(m_blocks):
+            assert (lo <= m < hi) == bool(whole_tile(m, n).all()), f"{where}: backward interior ({lo}, {hi}) at {m}, {n}"
+            inside = m_min <= m < m_max
+            assert inside == bool(tile(m, n).any()), f"{where}: backward n_block {n} m_block {m} range ({m_min}, {m_max})"
+
+
+SEQLENS = [(1, 1), (1, 13), (13, 1), (7, 30), (30, 7), (16, 16), (33, 40), (40, 33)]
+WINDOWS = [(-1, -1), (0, 0), (3, 1), (8, 0), (-1, 5), (6, -1), (20, 1000), (1000, 20), (2**31 - 1, 2**31 - 1)]
+
+
+@pytest.mark.parametrize("block_m,block_n", [(4, 8), (8, 4), (8, 8), (16, 4)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tile_math_small(block_m, block_n, causal):
+    for (seqlen_q, seqlen_k), window in itertools.product(SEQLENS, WINDOWS):
+        _check(block_m, block_n, seqlen_q, seqlen_k, window, causal)
+
+
+@pytest.mark.parametrize(
+    "block_m,block_n,seqlen_q,seqlen_k,window",
+    [
+        (128, 128, 513, 700, (17, 3)),  # the issue's GPU case, with the forward's tiles
+        (64, 128, 513, 700, (128, 0)),  # the head_dim 128 backward's tiles
+        (128, 80, 300, 100, (20, 1000)),  # head_dim 256 forward, window wider than the sequence
+        (128, 128, 700, 513, (0, 0)),
+        (64, 64, 1000, 1000, (-1, 5)),
+    ],
+)
+def test_tile_math_kernel_tiles(block_m, block_n, seqlen_q, seqlen_k, window):
+    _check(block_m, block_n, seqlen_q, seqlen_k, window, causal=False)
+
+
+def test_kernel_window_clamps_unbounded_and_wide_sides():
+    assert kernel_window(-1, -1, 10, 20) == (20 + HEADROOM, 10 + HEADROOM)
+    assert kernel_window(25, 11, 10, 20) == (20 + HEADROOM, 10 + HEADROOM)
+    assert kernel_window(20, 10, 10, 20) == (20, 10)
+    assert kernel_window(3, 0, 10, 20) == (3, 0)
