@@ -71,13 +71,20 @@ def _check_devices(named_devices):
             raise ValueError(f"{name} is on {dev} but {first_name} is on {first}; all tensors must be on one device")
 
 
+_SM90_DEVICES = set()  # CUDA device indices already found to be sm90 (the check runs on every call)
+
+
 def _check_sm90(name, device):
+    if device.index in _SM90_DEVICES and device.index is not None:
+        return
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         raise ValueError(
             f"{name} is on {device}, a GPU of compute capability {major}.{minor} "
             f"({torch.cuda.get_device_name(device)}); flash_attn_hopper needs an sm90 GPU (H100/H200)"
         )
+    if device.index is not None:
+        _SM90_DEVICES.add(device.index)
 
 
 def _check_scale(softmax_scale, head_dim):

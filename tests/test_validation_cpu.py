@@ -342,6 +342,7 @@ def test_check_devices_accepts_one_cuda_device():
 
 
 def test_check_sm90_rejects_other_gpus(monkeypatch):
+    monkeypatch.setattr(interface, "_SM90_DEVICES", set())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match=r"^q is on cuda:0, a GPU of compute capability 8\.0") as info:
@@ -352,13 +353,24 @@ def test_check_sm90_rejects_other_gpus(monkeypatch):
 
 @pytest.mark.parametrize("capability", [(9, 0)])
 def test_check_sm90_accepts_hopper(monkeypatch, capability):
+    monkeypatch.setattr(interface, "_SM90_DEVICES", set())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert interface._check_sm90("q", torch.device("cuda:0")) is None
 
 
+def test_check_sm90_asks_each_device_once(monkeypatch):
+    monkeypatch.setattr(interface, "_SM90_DEVICES", set())
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    for _ in range(3):
+        interface._check_sm90("q", torch.device("cuda:1"))
+    assert asked == [torch.device("cuda:1")]
+
+
 @pytest.mark.parametrize("capability", [(10, 0), (12, 0), (8, 9)])
 def test_check_sm90_rejects_newer_and_older(monkeypatch, capability):
+    monkeypatch.setattr(interface, "_SM90_DEVICES", set())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
     with pytest.raises(ValueError, match=rf"^q is on cuda:0, a GPU of compute capability {capability[0]}\."):

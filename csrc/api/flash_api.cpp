@@ -3,6 +3,7 @@
 // are the safety net for direct torch.ops calls.
 
 #include <cmath>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <optional>
@@ -132,13 +133,30 @@ Run* require_kernel(Run* run, int head_dim, at::ScalarType dtype) {
   return run;
 }
 
-// Development knob for measuring the forward's ping-pong scheduling: FAH_FWD_PINGPONG=0 turns it off.
+// Development knobs for measuring the forward's scheduling: FAH_FWD_PINGPONG=0 turns ping-pong off,
+// FAH_FWD_PERSISTENT=0 launches one CTA per tile instead of one persistent CTA per SM.
+bool env_flag(char const* name) {
+  char const* v = std::getenv(name);
+  return v == nullptr || std::string(v) != "0";
+}
 bool fwd_pingpong() {
-  static bool const enabled = [] {
-    char const* v = std::getenv("FAH_FWD_PINGPONG");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static bool const enabled = env_flag("FAH_FWD_PINGPONG");
   return enabled;
+}
+bool fwd_persistent() {
+  static bool const enabled = env_flag("FAH_FWD_PERSISTENT");
+  return enabled;
+}
+
+// A device attribute asked once per device (attributes do not change; this runs on every call).
+constexpr int kMaxDevices = 64;
+int cached_device_attribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAttr attr, int dev) {
+  int value = dev < kMaxDevices ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (value == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, dev));
+    if (dev < kMaxDevices) { cache[dev].store(value, std::memory_order_relaxed); }
+  }
+  return value;
 }
 
 void check_sm90(at::Tensor const& q) {
@@ -148,6 +166,11 @@ void check_sm90(at::Tensor const& q) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   TORCH_CHECK(major == 9 && minor == 0, "flash_attn_hopper needs an sm90 GPU (H100/H200); ", q.device(),
               " has compute capability ", major, ".", minor);
+}
+
+int num_sms(at::Tensor const& q) {
+  static std::atomic<int> cache[kMaxDevices] = {};
+  return cached_device_attribute(cache, cudaDevAttrMultiProcessorCount, q.device().index());
 }
 
 // TMA reads in place only a 16-byte aligned base with nonzero 16-byte multiple strides (size-1 dims excepted)
@@ -200,6 +223,12 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
   p.softcap = opts.softcap;
   p.window_left = opts.window_left, p.window_right = opts.window_right;
   p.pingpong = fwd_pingpong();
+  at::Tensor tile_counter;
+  if (fwd_persistent()) {
+    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+    p.num_sms = num_sms(q);
+  }
 
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper forward launch failed: ", cudaGetErrorString(err));

@@ -32,6 +32,10 @@ struct FwdParams {
   // (bottom-right aligned); -1: that side unbounded. Causal is (-1, 0).
   int window_left, window_right;
   bool pingpong;  // consumer warpgroups take turns issuing GEMMs (named barriers)
+  // Persistent launch: num_sms CTAs take (m_block, head, batch) tiles from this zeroed int32 counter. Null: one CTA
+  // per tile.
+  int* tile_counter;
+  int num_sms;
 };
 
 struct BwdParams {

@@ -95,9 +95,11 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       window_left,
       window_right,
   };
-  auto kernel = p.softcap > 0.f ? flash_bwd_sm90_kernel<Traits, true> : flash_bwd_sm90_kernel<Traits, false>;
+  bool const softcap = p.softcap > 0.f;
+  auto kernel = softcap ? flash_bwd_sm90_kernel<Traits, true> : flash_bwd_sm90_kernel<Traits, false>;
   constexpr int smem_bytes = Traits::kSmemBytes;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  cudaError_t err = softcap ? set_max_dynamic_smem_once<cute::tuple<Traits, cute::true_type>>(kernel, smem_bytes)
+                            : set_max_dynamic_smem_once<cute::tuple<Traits, cute::false_type>>(kernel, smem_bytes);
   if (err != cudaSuccess) { return err; }
   dim3 grid(cute::ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
   kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);

@@ -1,7 +1,10 @@
-// Host helpers for building TMA descriptors from caller strides.
+// Host helpers: TMA descriptors from caller strides, and kernel attributes set once.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+
+#include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
 
@@ -23,6 +26,21 @@ auto make_qkv_gmem(void const* ptr, int seqlen, int nheads, int batch, int64_t r
   auto stride = cute::make_stride(tma_stride(row_stride, seqlen, k16), cute::_1{},
                                   tma_stride(head_stride, nheads, k16), tma_stride(batch_stride, batch, k16));
   return cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(ptr)), cute::make_layout(shape, stride));
+}
+
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) once per (kernel, device): it costs microseconds and the
+// launchers run on every call. Tag: a type unique to the kernel (its traits and variant).
+template <class Tag, class Kernel>
+cudaError_t set_max_dynamic_smem_once(Kernel kernel, int bytes) {
+  static std::atomic<uint64_t> done_devices{0};  // bit d: done on device d (devices past 63 always set it)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) { return err; }
+  uint64_t const bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit != 0 && (done_devices.load(std::memory_order_relaxed) & bit)) { return cudaSuccess; }
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) { done_devices.fetch_or(bit, std::memory_order_relaxed); }
+  return err;
 }
 
 }  // namespace flash

@@ -1,8 +1,10 @@
 // Warp-specialized forward attention kernel for sm_90a (FlashAttention-3 paper §3.1, Algorithm 1).
 //
-// Warp roles (one CTA per (m_block, head, batch) tile):
-//   warpgroup 0        Producer: one thread issues TMA loads of Q (once) and of K, V through a kStages-deep
-//                      shared-memory pipeline (PipelineTmaAsync: full/empty mbarriers); registers released.
+// Persistent: one CTA per SM takes (m_block, head, batch) tiles from a global counter, longest first within a head
+// (or, with FAH_FWD_PERSISTENT=0, one CTA per tile). Warp roles:
+//   warpgroup 0        Producer: one thread picks the tiles and issues TMA loads of each tile's Q and of K, V
+//                      through a kStages-deep shared-memory pipeline (PipelineTmaAsync: full/empty mbarriers) that
+//                      runs on across tiles, so the next tile's loads overlap this tile's last GEMMs and epilogue.
 //   warpgroups 1..2    Consumers, 64 query rows each: S = Q Kᵀ (WGMMA, both operands in smem), mask, online
 //                      softmax (exp2), O += P V (WGMMA, P from registers, V from smem); epilogue writes O and LSE.
 #pragma once
@@ -65,9 +67,11 @@ struct FwdKernelTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
-    cutlass::arch::ClusterTransactionBarrier barrier_q;
+    cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q of the next tile loaded (and tile_idx written)
+    cutlass::arch::ClusterBarrier barrier_q_empty;       // consumers done with sQ and tile_idx
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
+    int tile_idx;  // the producer's tile for the consumers; -1: no more tiles
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
@@ -100,14 +104,30 @@ struct FwdKernelTraits {
     float score_scale, score_scale_log2, softcap_pre;
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     bool pingpong;
+    // Tiles (m_block, head, batch), numbered head-major with m_block descending (decode_tile). A CTA starts at tile
+    // blockIdx.x and, when tile_counter is set (persistent launch, gridDim.x CTAs), takes further tiles from that
+    // zeroed counter: next = atomicAdd(tile_counter, 1) + gridDim.x.
+    int num_m_blocks, num_tiles;
+    int* tile_counter;
   };
+
+  // Tile t: the heads' query blocks in order, the last query block first (with a causal mask it sees the most keys).
+  // Consecutive tiles read the same K/V (L2 reuse), and the query heads of a GQA group are adjacent.
+  CUTLASS_DEVICE static void decode_tile(Params const& params, int tile, int& m_block, int& bidh, int& bidb) {
+    int const head_batch = tile / params.num_m_blocks;
+    m_block = params.num_m_blocks - 1 - (tile - head_batch * params.num_m_blocks);
+    bidh = head_batch % params.nheads;
+    bidb = head_batch / params.nheads;
+  }
 };
 
-// Producer perspective: loads Q, then K and V tiles from the last visible key block down to the first.
+// Producer perspective, one tile: loads Q, then K and V tiles from the last visible key block down to the first,
+// continuing the K/V pipeline of the previous tile.
 template <class Traits>
 CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
-                                 int m_block, int bidh, int bidb, int n_block_min, int n_block_max) {
+                                 typename Traits::PipelineState& write_state, int m_block, int bidh, int bidb,
+                                 int n_block_min, int n_block_max) {
   using Element = typename Traits::Element;
   using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -131,7 +151,6 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
   ss.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
   copy(params.tma_q.with(reinterpret_cast<BarrierType&>(ss.barrier_q), 0), tQgQ, tQsQ);
 
-  auto write_state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
     pipeline_k.producer_acquire(write_state);
     copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_state), 0), tKgK(_, n_block),
@@ -141,9 +160,6 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
          tVsV(_, write_state.index()));
     ++write_state;
   }
-  // Keep the producer alive until the consumers have released every stage it filled.
-  pipeline_k.producer_tail(write_state);
-  pipeline_v.producer_tail(write_state);
 }
 
 // Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). kSoftcap is a template
@@ -151,6 +167,7 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
 template <class Traits, bool kSoftcap>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
+                                 typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, int bidb, int n_block_min, int n_block_max) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -199,11 +216,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   if (pingpong && wg == 1) { cutlass::arch::NamedBarrier::arrive(Traits::NumMmaThreads, 2 + 0); }  // wg 0 first
 
   if (n_block_max > n_block_min) {
-    ss.barrier_q.wait(0);
     // Intra-warpgroup overlap (FlashAttention-3 paper §3.2, Algorithm 2): while the softmax of key block j runs
     // on the CUDA cores, the tensor cores already work on O += P_{j-1} V_{j-1}. K and V stages are read one
-    // block apart, hence two read states.
-    typename Traits::PipelineState k_state, v_state;
+    // block apart, hence two read states (carried from tile to tile).
     auto S = [&] { return partition_fragment_C(tiled_mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}); };
     Tensor tSrS = S();
     Tensor tOrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));  // P of the previous block, A operand
@@ -258,14 +273,19 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       convert_type_into(tSrS, tOrP);
     }
 
+    // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
+    ss.barrier_q_empty.arrive();
     pipeline_v.consumer_wait(v_state);
     wait_turn();
     wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
     pass_turn();
     warpgroup_wait<0>();
     pipeline_v.consumer_release(v_state);
+    ++v_state;
     // Every turn warpgroup 1 passes is taken, except its last, left on warpgroup 0's barrier: take it.
     if (wg == 0) { wait_turn(); }
+  } else {
+    ss.barrier_q_empty.arrive();
   }
 
   // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q are not written).
@@ -307,16 +327,13 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warp_group_idx = cutlass::canonical_warp_group_idx();
   bool const lane_predicate = cute::elect_one_sync();
-  // Longest causal rows first: the last query blocks see the most keys.
-  int const m_block = gridDim.x - 1 - blockIdx.x;
-  int const bidh = blockIdx.y;
-  int const bidb = blockIdx.z;
 
   if (warp_idx == 0 && lane_predicate) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     ss.barrier_q.init(/*arrive_count=*/1);
+    ss.barrier_q_empty.init(/*arrive_count=*/Traits::NumMmaThreads);
   }
 
   typename Pipeline::Params pipeline_params;
@@ -330,20 +347,55 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  int n_block_min, n_block_max;
-  Window<Traits::kBlockM, Traits::kBlockN>{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right}
-      .n_block_range(m_block, n_block_min, n_block_max);
-
+  Window<Traits::kBlockM, Traits::kBlockN> const window{params.seqlen_q, params.seqlen_k, params.window_left,
+                                                        params.window_right};
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    // The pipeline's leader (thread 0) is the one thread that issues every TMA load.
-    if (threadIdx.x == 0 && n_block_max > n_block_min) {
-      fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, m_block, bidh, bidb, n_block_min, n_block_max);
+    // The pipeline's leader (thread 0) is the one thread that issues every TMA load and picks the tiles: it hands
+    // each tile to the consumers through tile_idx, published by its arrival on barrier_q (release/acquire).
+    if (threadIdx.x == 0) {
+      auto write_state = cutlass::make_producer_start_state<Pipeline>();
+      int tile = blockIdx.x;
+      for (int iter = 0;; ++iter) {
+        if (iter > 0) { ss.barrier_q_empty.wait((iter - 1) & 1); }
+        if (tile >= params.num_tiles) {
+          ss.tile_idx = -1;
+          ss.barrier_q.arrive();
+          break;
+        }
+        // Ask for the next tile now: the atomic's latency passes while this tile's loads are issued.
+        int const next =
+            params.tile_counter != nullptr ? atomicAdd(params.tile_counter, 1) + int(gridDim.x) : params.num_tiles;
+        int m_block, bidh, bidb, n_block_min, n_block_max;
+        Traits::decode_tile(params, tile, m_block, bidh, bidb);
+        window.n_block_range(m_block, n_block_min, n_block_max);
+        ss.tile_idx = tile;
+        if (n_block_max > n_block_min) {
+          fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, write_state, m_block, bidh, bidb, n_block_min,
+                               n_block_max);
+        } else {
+          ss.barrier_q.arrive();  // no key to see: the consumers write zeros and LSE -inf
+        }
+        tile = next;
+      }
+      // Keep the producer alive until the consumers have released every stage it filled.
+      pipeline_k.producer_tail(write_state);
+      pipeline_v.producer_tail(write_state);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    fwd_consumer<Traits, kSoftcap>(params, ss, pipeline_k, pipeline_v, threadIdx.x - cutlass::NumThreadsPerWarpGroup,
-                                   m_block, bidh, bidb, n_block_min, n_block_max);
+    typename Traits::PipelineState k_state, v_state;
+    for (int iter = 0;; ++iter) {
+      ss.barrier_q.wait(iter & 1);
+      int const tile = ss.tile_idx;
+      if (tile < 0) { break; }
+      int m_block, bidh, bidb, n_block_min, n_block_max;
+      Traits::decode_tile(params, tile, m_block, bidh, bidb);
+      window.n_block_range(m_block, n_block_min, n_block_max);
+      fwd_consumer<Traits, kSoftcap>(params, ss, pipeline_k, pipeline_v, k_state, v_state,
+                                     threadIdx.x - cutlass::NumThreadsPerWarpGroup, m_block, bidh, bidb, n_block_min,
+                                     n_block_max);
+    }
   }
 }
 

@@ -1,6 +1,10 @@
 // Host side of the forward kernel: TMA descriptors from FwdParams, grid, shared memory, launch.
 #pragma once
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
@@ -19,6 +23,9 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
   if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || !(p.softcap >= 0.f)) { return cudaErrorInvalidValue; }
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
+  int const num_m_blocks = cute::ceil_div(p.seqlen_q, Traits::kBlockM);
+  int64_t const num_tiles = int64_t(num_m_blocks) * p.nheads * p.batch;
+  if (num_tiles > INT32_MAX || (p.tile_counter != nullptr && p.num_sms <= 0)) { return cudaErrorInvalidValue; }
   int window_left, window_right;
   kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
   auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
@@ -52,13 +59,18 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       window_left,
       window_right,
       p.pingpong,
+      num_m_blocks,
+      int(num_tiles),
+      p.tile_counter,
   };
 
-  auto kernel = p.softcap > 0.f ? flash_fwd_sm90_kernel<Traits, true> : flash_fwd_sm90_kernel<Traits, false>;
+  bool const softcap = p.softcap > 0.f;
+  auto kernel = softcap ? flash_fwd_sm90_kernel<Traits, true> : flash_fwd_sm90_kernel<Traits, false>;
   constexpr int smem_bytes = Traits::kSmemBytes;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  cudaError_t err = softcap ? set_max_dynamic_smem_once<cute::tuple<Traits, cute::true_type>>(kernel, smem_bytes)
+                            : set_max_dynamic_smem_once<cute::tuple<Traits, cute::false_type>>(kernel, smem_bytes);
   if (err != cudaSuccess) { return err; }
-  dim3 grid(cute::ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+  dim3 grid(p.tile_counter != nullptr ? int(std::min<int64_t>(num_tiles, p.num_sms)) : int(num_tiles));
   kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
   return cudaGetLastError();
 }
