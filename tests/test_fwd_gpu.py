@@ -301,3 +301,39 @@ def test_nan_input_row_stays_nan():
     others = torch.ones(64, dtype=torch.bool, device=q.device)
     others[5] = False
     assert torch.isfinite(lse[0, 0, others]).all() and torch.isfinite(out[0, others]).all()
+
+
+# ----------------------------------------------------------------------------------------- persistent scheduling
+
+
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k,causal,window",
+    [
+        (1000, 1100, False, (-1, -1)),
+        (1000, 1100, True, (-1, -1)),
+        (1100, 300, True, (-1, -1)),  # the first query blocks see no key: empty tiles among the persistent ones
+        (1000, 1000, False, (100, 30)),
+    ],
+    ids=["full", "causal", "causal-empty-rows", "window"],
+)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_many_tiles_per_cta(head_dim, seqlen_q, seqlen_k, causal, window):
+    """About 1000 tiles (m_block, head, batch) for the GPU's ~132 persistent CTAs, so each CTA takes several tiles
+    from the counter, reloading Q and carrying the K/V pipeline across tiles (with GQA, 33 query heads over 11)."""
+    dtype = _built_dtype(head_dim)
+    batch, nheads, nheads_k = 4, 33, 11
+    q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    v = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    assert -(-seqlen_q // 128) * nheads * batch > 7 * torch.cuda.get_device_properties(0).multi_processor_count
+    _poison_allocator(q.numel() * q.element_size(), batch * nheads * seqlen_q * 4)
+    out, lse = attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window, upcast=True)
+    naive, naive_lse = attention_ref(q, k, v, causal=causal, window_size=window, upcast=False)
+    assert_close_by_rule(out, ref, naive, "persistent out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, "persistent lse")
+    empty = torch.isneginf(ref_lse)
+    assert empty.any() == (seqlen_q > seqlen_k and causal)
+    if empty.any():
+        rows = out.permute(0, 2, 1, 3)[empty]
+        assert torch.equal(rows, torch.zeros_like(rows))

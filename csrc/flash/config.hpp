@@ -1,5 +1,9 @@
 // Named forward tile configurations per head dim.
 //
+// Forward persistence: run persistent only when each tile sees at most this many key blocks (measured above: longer
+// tiles gain nothing from overlapping the epilogue and lose to the tile loop's extra live registers).
+constexpr int kFwdPersistentMaxKeyBlocks = 32;
+
 // Shared memory per CTA = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2 bytes (Q once, K and V staged),
 // within the 227 KiB a CTA may take of the H200's 228 KiB per SM:
 //   hdim  64: 128 x 128, 2 stages ->  80 KiB
@@ -8,6 +12,11 @@
 // Two consumer warpgroups of 64 query rows each (kBlockM = 128). First configuration (2026-11-29): chosen to fit,
 // not yet tuned by measurement. kIntraWGOverlap (issue QKᵀ of the next block before the softmax of this one) needs
 // S, P and O live at once: head_dim 256 spills 76 bytes with it at 224 registers, so it runs without.
+// kPersistent: one CTA per SM loops over tiles (the next tile's loads overlap this tile's epilogue), chosen at run
+// time for short key ranges (run_fwd_sm90). H200, 2026-11-30, bf16 TFLOP/s persistent vs one CTA per tile (same
+// build): head_dim 128 seqlen 512 416 vs 365, 2048 549 vs 529, causal 1024 364 vs 335, but causal 8192 538 vs 560;
+// head_dim 64 causal 512 188 vs 155; head_dim 256 causal 4096-16384 486-566 vs 511-618, and its tile loop's live
+// state made it spill (100 B), so head_dim 256 keeps one CTA per tile.
 #pragma once
 
 namespace flash {
@@ -18,19 +27,19 @@ struct FwdTileConfig;
 template <>
 struct FwdTileConfig<64> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
-  static constexpr bool kIntraWGOverlap = true;
+  static constexpr bool kIntraWGOverlap = true, kPersistent = true;
 };
 
 template <>
 struct FwdTileConfig<128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
-  static constexpr bool kIntraWGOverlap = true;
+  static constexpr bool kIntraWGOverlap = true, kPersistent = true;
 };
 
 template <>
 struct FwdTileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
-  static constexpr bool kIntraWGOverlap = false;
+  static constexpr bool kIntraWGOverlap = false, kPersistent = false;
 };
 
 // Backward. kSwapSdP (head_dim <= 128): Sᵀ/dPᵀ per warpgroup of 64 keys, P and dS kept in registers for the

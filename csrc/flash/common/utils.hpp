@@ -90,21 +90,14 @@ CUTLASS_DEVICE float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// tanh for the softcap, as 1 - 2 / (exp(2x) + 1) with one MUFU operation (the exp2): the reciprocal runs on the FMA
-// pipe, three Newton steps from an exponent-bit guess (relative error 12% -> 2e-2 -> 2e-4 -> ~1e-7), because the
-// forward is bound by the MUFU unit once the softmax's own exp2 is counted (measured on the H200, 2026-11-30: with
-// MUFU.RCP the softcap forward ran at 0.66x the dense one). Absolute error ~1e-7; tanh.approx.f32 (also one MUFU
-// operation) has a 2^-11 relative error, which the cap's factor c turns into score errors larger than the fp16
-// reference's. Saturates to +-1 for large |x|; NaN stays NaN. Forward and backward call this same function, so P
-// recomputed in the backward matches the forward's LSE.
+// tanh for the softcap, as 1 - 2 / (exp(2x) + 1): absolute error ~1e-7. tanh.approx.f32 (one MUFU operation instead
+// of two) has a 2^-11 relative error, which the cap's factor c turns into score errors larger than the fp16
+// reference's. The softcap forward is bound by the MUFU and FMA pipes together (H200, 2026-11-30, head_dim 128:
+// ~0.64x the dense forward with this version and about the same with the reciprocal as three Newton steps on the
+// FMA pipe instead of MUFU.RCP), so the simpler form stays. Saturates to +-1 for large |x|; NaN stays NaN. Forward
+// and backward call this same function, so P recomputed in the backward matches the forward's LSE.
 CUTLASS_DEVICE float softcap_tanh(float x) {
-  float e = exp2f(x * float(2.0 * M_LOG2E));
-  e = e > 1e30f ? 1e30f : e;  // keeps the guess below finite (NaN fails the compare and stays)
-  float const y = e + 1.f;    // in [1, 1e30]
-  float r = __int_as_float(0x7EF311C3 - __float_as_int(y));  // ~1/y within 12%
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < 3; ++i) { r = r * fmaf(-y, r, 2.f); }
-  return fmaf(-2.f, r, 1.f);
+  return 1.f - __fdividef(2.f, exp2f(x * float(2.0 * M_LOG2E)) + 1.f);
 }
 
 }  // namespace flash

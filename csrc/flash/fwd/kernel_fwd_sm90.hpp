@@ -24,10 +24,12 @@ namespace flash {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIntraWGOverlap_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIntraWGOverlap_,
+          bool kPersistent_>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kIntraWGOverlap = kIntraWGOverlap_;
+  static constexpr bool kPersistent = kPersistent_;  // else one tile per CTA, the tile loop compiled out
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -204,7 +206,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // Ping-pong between the two consumer warpgroups (FlashAttention-3 paper §3.1): a warpgroup issues its GEMMs only
   // in its turn and hands the turn over right after, so one warpgroup's softmax runs under the other's GEMMs.
-  // Named barrier (user id) 2 + w is warpgroup w's turn; the other warpgroup arrives on it.
+  // Named barrier (user id) 2 + w is warpgroup w's turn; the other warpgroup arrives on it. Both warpgroups take
+  // the same number of turns per tile; warpgroup 1's last hand-over of a tile is warpgroup 0's first turn of the
+  // next (the kernel makes the first hand-over and takes the last one), so neither runs two arrivals ahead.
   int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
   bool const pingpong = params.pingpong && n_block_max > n_block_min;
   auto wait_turn = [&] {
@@ -213,7 +217,6 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   auto pass_turn = [&] {
     if (pingpong) { cutlass::arch::NamedBarrier::arrive(Traits::NumMmaThreads, 2 + (1 - wg)); }
   };
-  if (pingpong && wg == 1) { cutlass::arch::NamedBarrier::arrive(Traits::NumMmaThreads, 2 + 0); }  // wg 0 first
 
   if (n_block_max > n_block_min) {
     // Intra-warpgroup overlap (FlashAttention-3 paper §3.2, Algorithm 2): while the softmax of key block j runs
@@ -282,8 +285,6 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     warpgroup_wait<0>();
     pipeline_v.consumer_release(v_state);
     ++v_state;
-    // Every turn warpgroup 1 passes is taken, except its last, left on warpgroup 0's barrier: take it.
-    if (wg == 0) { wait_turn(); }
   } else {
     ss.barrier_q_empty.arrive();
   }
@@ -364,8 +365,10 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
           break;
         }
         // Ask for the next tile now: the atomic's latency passes while this tile's loads are issued.
-        int const next =
-            params.tile_counter != nullptr ? atomicAdd(params.tile_counter, 1) + int(gridDim.x) : params.num_tiles;
+        int next = params.num_tiles;
+        if constexpr (Traits::kPersistent) {
+          if (params.tile_counter != nullptr) { next = atomicAdd(params.tile_counter, 1) + int(gridDim.x); }
+        }
         int m_block, bidh, bidb, n_block_min, n_block_max;
         Traits::decode_tile(params, tile, m_block, bidh, bidb);
         window.n_block_range(m_block, n_block_min, n_block_max);
@@ -376,6 +379,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
         } else {
           ss.barrier_q.arrive();  // no key to see: the consumers write zeros and LSE -inf
         }
+        if constexpr (!Traits::kPersistent) { break; }  // one tile per CTA: no hand-over of a next one
         tile = next;
       }
       // Keep the producer alive until the consumers have released every stage it filled.
@@ -384,6 +388,9 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
+    int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
+    if (params.pingpong && wg == 1) { cutlass::arch::NamedBarrier::arrive(Traits::NumMmaThreads, 2 + 0); }  // wg 0 first
     typename Traits::PipelineState k_state, v_state;
     for (int iter = 0;; ++iter) {
       ss.barrier_q.wait(iter & 1);
@@ -392,10 +399,12 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       int m_block, bidh, bidb, n_block_min, n_block_max;
       Traits::decode_tile(params, tile, m_block, bidh, bidb);
       window.n_block_range(m_block, n_block_min, n_block_max);
-      fwd_consumer<Traits, kSoftcap>(params, ss, pipeline_k, pipeline_v, k_state, v_state,
-                                     threadIdx.x - cutlass::NumThreadsPerWarpGroup, m_block, bidh, bidb, n_block_min,
-                                     n_block_max);
+      fwd_consumer<Traits, kSoftcap>(params, ss, pipeline_k, pipeline_v, k_state, v_state, mma_tidx, m_block, bidh,
+                                     bidb, n_block_min, n_block_max);
+      if constexpr (!Traits::kPersistent) { break; }
     }
+    // Warpgroup 1's last hand-over is left on warpgroup 0's barrier: take it.
+    if (params.pingpong && wg == 0) { cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 2 + 0); }
   }
 }
 

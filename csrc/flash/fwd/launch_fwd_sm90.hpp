@@ -19,7 +19,8 @@ namespace flash {
 template <class Element, int kHeadDim>
 cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   using Cfg = FwdTileConfig<kHeadDim>;
-  using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap>;
+  using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap,
+                                 Cfg::kPersistent>;
   if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
   if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || !(p.softcap >= 0.f)) { return cudaErrorInvalidValue; }
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
@@ -28,6 +29,10 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   if (num_tiles > INT32_MAX || (p.tile_counter != nullptr && p.num_sms <= 0)) { return cudaErrorInvalidValue; }
   int window_left, window_right;
   kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
+  // Persistent when the build has it and each tile sees few key blocks (config.hpp, kFwdPersistentMaxKeyBlocks).
+  int64_t const keys_per_tile = std::min<int64_t>(p.seqlen_k, int64_t(window_left) + window_right + Traits::kBlockM);
+  bool const persistent = Traits::kPersistent && p.tile_counter != nullptr &&
+                          cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= kFwdPersistentMaxKeyBlocks;
   auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
     return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, p.batch, row, head, batch);
   };
@@ -61,7 +66,7 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       p.pingpong,
       num_m_blocks,
       int(num_tiles),
-      p.tile_counter,
+      persistent ? p.tile_counter : nullptr,
   };
 
   bool const softcap = p.softcap > 0.f;
@@ -70,7 +75,7 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   cudaError_t err = softcap ? set_max_dynamic_smem_once<cute::tuple<Traits, cute::true_type>>(kernel, smem_bytes)
                             : set_max_dynamic_smem_once<cute::tuple<Traits, cute::false_type>>(kernel, smem_bytes);
   if (err != cudaSuccess) { return err; }
-  dim3 grid(p.tile_counter != nullptr ? int(std::min<int64_t>(num_tiles, p.num_sms)) : int(num_tiles));
+  dim3 grid(persistent ? int(std::min<int64_t>(num_tiles, p.num_sms)) : int(num_tiles));
   kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
   return cudaGetLastError();
 }
