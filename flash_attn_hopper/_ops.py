@@ -67,6 +67,34 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+class AttentionVarlenFunction(torch.autograd.Function):
+    """The eager autograd path of ``flash_attn_hopper::fwd_varlen`` (as AttentionFunction for the dense op)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
+        out, lse = torch.ops.flash_attn_hopper.fwd_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = (max_seqlen_q, max_seqlen_k, *args)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        dq, dk, dv = _backward_varlen(ctx.saved_tensors, dout, dlse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _backward_varlen(saved, dout, dlse, max_seqlen_q, max_seqlen_k, *args):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = saved
+    if dout is None:
+        dout = torch.zeros_like(out)
+    return torch.ops.flash_attn_hopper.bwd_varlen(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args
+    )
+
+
 def _register_python_kernels():
     """Fake (meta) kernels and the autograd formula of the C++ ops, so torch.compile traces them as graph nodes.
 
@@ -97,6 +125,30 @@ def _register_python_kernels():
         return dq, dk, dv, None, None, None, None, None
 
     torch.library.register_autograd("flash_attn_hopper::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+    @torch.library.register_fake("flash_attn_hopper::fwd_varlen")
+    def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
+        total_q, nheads, _ = q.shape
+        return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
+
+    @torch.library.register_fake("flash_attn_hopper::bwd_varlen")
+    def _bwd_varlen_fake(dout, q, k, v, out, lse, dlse, *args):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def _fwd_varlen_setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, *args = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = tuple(args)
+        ctx.set_materialize_grads(False)
+
+    def _fwd_varlen_backward(ctx, dout, dlse):
+        dq, dk, dv = _backward_varlen(ctx.saved_tensors, dout, dlse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+    torch.library.register_autograd(
+        "flash_attn_hopper::fwd_varlen", _fwd_varlen_backward, setup_context=_fwd_varlen_setup_context
+    )
 
 
 if EXTENSION_LOADED:

@@ -492,7 +492,7 @@ def run_fwd(torch, F, fah, timer, args, tensors, causal, flops, skip, in_backend
 
     def make_fn(name):
         if name == "ours":
-            return lambda: fah.attention(q, k, v, causal=causal, **ours_kw)
+            return lambda: _ours_call(fah, q, k, v, causal, ours_kw)
         return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **peer_kw)
 
     outs = {}
@@ -548,7 +548,7 @@ def run_bwd(torch, F, fah, timer, args, tensors, dout, causal, flops, skip, in_b
         """One forward with grad: (out, leaves, dout in the layout of out)."""
         if name == "ours":
             leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-            return fah.attention(*leaves, causal=causal, **ours_kw), leaves, dout
+            return _ours_call(fah, *leaves, causal, ours_kw), leaves, dout
         leaves = [t.detach().requires_grad_(True) for t in (qt, kt, vt)]
         out = F.scaled_dot_product_attention(*leaves, is_causal=causal, **peer_kw)
         d = torch.empty_like(out)  # out's strides (FA2 returns a transposed view, cuDNN a contiguous tensor)
@@ -667,7 +667,7 @@ def feature_support(fah, feature):
     if feature == "varlen":
         if not hasattr(fah, "attention_varlen"):
             return "not in flash_attn_hopper yet (no attention_varlen entry point)"
-        return "flash_attn_hopper.attention_varlen exists but this benchmark has no varlen runner yet (add it here)"
+        return None
     return f"unknown feature {feature!r}"
 
 
@@ -680,7 +680,31 @@ def feature_kwargs(spec):
         return {"window_size": (WINDOW, 0 if causal else WINDOW)}, {}, "torch SDPA has no sliding-window kernel", False
     if f == "softcap":
         return {"softcap": SOFTCAP}, {}, "torch SDPA has no softcap kernel", False
+    if f == "varlen":
+        return {"varlen": True}, {}, "torch SDPA has no variable-length kernel", False
     return {}, {}, None, True
+
+
+def _ours_call(fah, q, k, v, causal, ours_kw):
+    """fah.attention, or for the varlen point fah.attention_varlen on the same tokens packed as equal-length
+    sequences (cu_seqlens built once per shape and reused, as a training step reuses them across layers)."""
+    if not ours_kw.get("varlen"):
+        return fah.attention(q, k, v, causal=causal, **ours_kw)
+    import torch
+
+    batch, seqlen, nheads, head_dim = q.shape
+    key = (batch, seqlen, q.device)
+    cu = _VARLEN_CU.get(key)
+    if cu is None:
+        cu = _VARLEN_CU[key] = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=q.device)
+    out = fah.attention_varlen(
+        q.reshape(batch * seqlen, nheads, head_dim), k.reshape(batch * seqlen, k.shape[2], head_dim),
+        v.reshape(batch * seqlen, v.shape[2], head_dim), cu, cu, seqlen, seqlen, causal=causal,
+    )
+    return out.view(batch, seqlen, nheads, head_dim)
+
+
+_VARLEN_CU = {}
 
 
 def point_key(rec, direction=None):

@@ -2,6 +2,7 @@
 
 import math
 import numbers
+import weakref
 
 import torch
 
@@ -238,4 +239,152 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, wi
             out, lse = _ops.AttentionFunction.apply(q, k, v, *args)  # cheaper per call than the op's wrapper
         else:
             out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, *args)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------- variable length
+
+# cu_seqlens tensors whose values were checked: id -> (weak reference, tensor version, first entry, last entry, longest
+# sequence). The layers of one model step pass the same tensors, so their values are read from the device once. (Not a
+# WeakKeyDictionary: it compares keys with ==, which tensors answer elementwise.)
+_CHECKED_CU_SEQLENS = {}
+
+
+def _check_cu_seqlens_meta(name, cu, q):
+    """Type, dtype, device and rank of one cu_seqlens tensor (no device read)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.device != q.device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; cu_seqlens must be on q's device")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
+
+
+def _cu_seqlens_summary(name, cu):
+    """(first, last, longest) of a cu_seqlens tensor whose entries are checked to be >= 0 and non-decreasing; read
+    from the device once per tensor version."""
+    cached = _CHECKED_CU_SEQLENS.get(id(cu))
+    if cached is not None and cached[0]() is cu and cached[1] == cu._version:
+        return cached[2:]
+    values = cu.tolist()  # one small device-to-host copy
+    if values[0] < 0:
+        raise ValueError(f"{name} must start at an offset >= 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+    if any(n < 0 for n in lengths):
+        i = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"{name} must be non-decreasing, but entry {i + 1} ({values[i + 1]}) < entry {i} ({values[i]})")
+    summary = (values[0], values[-1], max(lengths, default=0))
+    key = id(cu)
+    ref = weakref.ref(cu, lambda _, key=key: _CHECKED_CU_SEQLENS.pop(key, None))
+    _CHECKED_CU_SEQLENS[key] = (ref, cu._version) + summary
+    return summary
+
+
+def _check_max_seqlen(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    value = int(value)
+    if not 0 <= value < 2**31:
+        raise ValueError(f"{name} must be in [0, 2^31), got {value}")
+    return value
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    return_lse=False,
+):
+    """Attention over a batch of sequences of different lengths packed along the token dimension (no padding).
+
+    Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and key rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v, and attends only within itself; masks (causal, window) are
+    aligned per sequence, bottom-right, exactly as ``attention`` does for one batch element. The same kernels as
+    ``attention`` (FlashAttention-3 paper §3.1 forward, §2.1 gradients) run with per-sequence row offsets, so memory
+    and work grow with the number of tokens, not with batch × max_seqlen.
+
+    Args:
+        q: ``(total_q, nheads, head_dim)``, torch.float16 or torch.bfloat16, on an sm90 CUDA device.
+        k, v: ``(total_k, nheads_k, head_dim)``, same dtype and device; nheads_k divides nheads (GQA/MQA).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on q's device, non-decreasing row offsets (usually starting
+            at 0); zero-length sequences are allowed on either side. Rows past ``cu_seqlens_q[-1]`` (or ``[-1]`` of k)
+            belong to no sequence.
+        max_seqlen_q, max_seqlen_k: Python ints, at least the longest query / key sequence (larger is allowed; it
+            sizes the launch grid).
+        softmax_scale, causal, window_size, softcap, return_lse: as ``attention``.
+
+    Returns:
+        ``out`` ``(total_q, nheads, head_dim)`` in q's dtype, or ``(out, lse)`` with ``lse`` float32
+        ``(nheads, total_q)`` (natural log). A sequence with no keys gives output rows of 0 and LSE ``-inf``; rows past
+        ``cu_seqlens_q[-1]`` get output 0 and LSE ``-inf``, and their gradients (and dK, dV of key rows past
+        ``cu_seqlens_k[-1]``) are 0. ``out`` and ``lse`` are differentiable with respect to q, k, v.
+
+    Raises:
+        TypeError: as ``attention``; cu_seqlens not tensors; max_seqlen not Python ints.
+        ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D, of
+            different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen below the longest
+            sequence or negative; more than 65535 sequences.
+        RuntimeError: the compiled extension is not available.
+
+    The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
+    the layers of a model step reuse the check); under torch.compile that check is skipped and the values are trusted.
+    Inputs are never modified. The kernels run on the current CUDA stream of q's device.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(
+                f"{name} must have rank 3 (total_tokens, nheads, head_dim) for attention_varlen, got rank {t.dim()} "
+                f"with shape {tuple(t.shape)}"
+            )
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        _check_tensor_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    else:
+        _check_tensor_args(q, k, v)  # raises the TypeError naming the argument
+    softmax_scale = _check_scale(softmax_scale, q.shape[-1])
+    causal = _check_causal(causal)
+    window_left, window_right = _check_window(window_size, causal)
+    softcap = _check_softcap(softcap, softmax_scale)
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_cu_seqlens_meta("cu_seqlens_q", cu_seqlens_q, q)
+    _check_cu_seqlens_meta("cu_seqlens_k", cu_seqlens_k, q)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {cu_seqlens_q.numel()} and "
+            f"{cu_seqlens_k.numel()}"
+        )
+    if cu_seqlens_q.numel() - 1 > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} sequences are supported, got {cu_seqlens_q.numel() - 1}")
+    _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
+    _ops.require_extension()
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+            softcap)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.flash_attn_hopper.fwd_varlen(q, k, v, *args)
+        return (out, lse) if return_lse else out
+    _check_sm90("q", q.device)
+    _check_compiled(q.shape[-1], q.dtype)
+    for name, cu, rows, max_name, max_len in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
+    ):
+        _, last, longest = _cu_seqlens_summary(name, cu)
+        if last > rows:
+            raise ValueError(f"{name} ends at row {last}, past the {rows} rows of {name[-1]}")
+        if longest > max_len:
+            raise ValueError(f"{max_name} is {max_len} but {name} holds a sequence of length {longest}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _ops.AttentionVarlenFunction.apply(q, k, v, *args)
+    else:
+        out, lse = torch.ops.flash_attn_hopper.fwd_varlen(q, k, v, *args)
     return (out, lse) if return_lse else out

@@ -189,3 +189,47 @@ def attention_bwd_ref(
     dk = dk.reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3)
     dv = dv.reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3)
     return dq, dk, dv
+
+
+def attention_varlen_ref(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1),
+    softcap=0.0,
+):
+    """``attention_ref`` per sequence of a packed variable-length batch (layout of
+    ``flash_attn_hopper.attention_varlen``): q (total_q, nheads, head_dim), k/v (total_k, nheads_k, head_dim), cu_seqlens
+    int32 (batch + 1). Returns (out (total_q, nheads, head_dim) in the compute dtype, lse float32 (nheads, total_q));
+    rows that no sequence covers get output 0 and LSE -inf. Differentiable (autograd flows per sequence)."""
+    compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    total_q, nheads, head_dim = q.shape
+    outs, lses = [], []
+    covered = 0
+    for b in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
+        # rows between sequences (a first offset > 0) belong to none
+        outs.append(torch.zeros(q0 - covered, nheads, v.shape[-1], dtype=compute, device=q.device))
+        lses.append(torch.full((nheads, q0 - covered), float("-inf"), device=q.device))
+        o, lse = attention_ref(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale, causal=causal, upcast=upcast,
+            window_size=window_size, softcap=softcap,
+        )
+        outs.append(o[0].to(compute))
+        lses.append(lse[0])
+        covered = q1
+    outs.append(torch.zeros(total_q - covered, nheads, v.shape[-1], dtype=compute, device=q.device))
+    lses.append(torch.full((nheads, total_q - covered), float("-inf"), device=q.device))
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def attention_varlen_ref_grads(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, upcast=True, dlse=None, **kwargs):
+    """(dq, dk, dv) of ``attention_varlen_ref`` by autograd for output gradient dout (and LSE gradient dlse, as in
+    ``attention_ref_grads``); kwargs as ``attention_varlen_ref``."""
+    compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    leaves = [t.detach().to(compute).requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out, lse = attention_varlen_ref(*leaves, cu_seqlens_q, cu_seqlens_k, upcast=upcast, **kwargs)
+        outputs, grads = [out], [dout.to(out.dtype)]
+        if dlse is not None:
+            outputs.append(lse)
+            grads.append(dlse.to(lse.dtype))
+        return tuple(torch.autograd.grad(outputs, leaves, grads, allow_unused=False))

@@ -102,3 +102,39 @@ def test_compile_counts_one_graph():
     explanation = torch._dynamo.explain(lambda a, b, c: flash_attn_hopper.attention(a, b, c, causal=True) * 2)(q, k, v)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_opcheck_varlen(options):
+    """fwd_varlen and bwd_varlen: schemas, fake kernels and autograd registration (lengths 0, 77, 130)."""
+    head_dim, dtype = _built_head_dim()
+    lengths_q, lengths_k = [0, 77, 130], [10, 77, 60]
+    cu_q = torch.tensor([0, 0, 77, 207], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 10, 87, 147], dtype=torch.int32, device="cuda")
+    assert cu_q.diff().tolist() == lengths_q and cu_k.diff().tolist() == lengths_k
+    q = torch.randn(207, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(147, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(147, 2, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    args = (cu_q, cu_k, 130, 77, head_dim**-0.5, *options)
+    torch.library.opcheck(torch.ops.flash_attn_hopper.fwd_varlen.default, (q, k, v, *args))
+    out, lse = torch.ops.flash_attn_hopper.fwd_varlen(q.detach(), k.detach(), v.detach(), *args)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(
+        torch.ops.flash_attn_hopper.bwd_varlen.default,
+        (dout, q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse), *args),
+    )
+
+
+def test_compile_varlen_fullgraph():
+    """attention_varlen under torch.compile(fullgraph=True): no graph break, the eager result."""
+    head_dim, dtype = _built_head_dim()
+    cu = torch.tensor([0, 100, 100, 250], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(250, 2, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+
+    def f(q, k, v):
+        return flash_attn_hopper.attention_varlen(q, k, v, cu, cu, 150, 150, causal=True) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(q, k, v), f(q, k, v))
+

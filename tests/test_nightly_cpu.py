@@ -497,3 +497,25 @@ def test_nothing_in_common_is_reported():
     cmp = nb.compare_records(make_record(), other, 0.05)
     assert not cmp["rows"] and not cmp["regressions"] and len(cmp["missing_now"]) == len(cmp["missing_base"]) == 16
     assert nb.format_comparison(cmp).splitlines()[-1].startswith("compare: PASS (nothing compared")
+
+
+def test_varlen_point_packs_equal_lengths():
+    """The varlen point runs attention_varlen on the dense point's tokens as equal-length sequences."""
+    import torch
+
+    calls = []
+
+    class Fah:
+        @staticmethod
+        def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False):
+            calls.append((q.shape, k.shape, cu_q.tolist(), cu_k is cu_q, max_q, max_k, causal))
+            return q * 2
+
+    assert nb.feature_support(Fah, "varlen") is None
+    ours_kw, _, peer_reason, with_ref = nb.feature_kwargs({"feature": "varlen", "causal": True})
+    assert ours_kw == {"varlen": True} and "variable-length" in peer_reason and not with_ref
+    q = torch.randn(3, 5, 4, 8)
+    k = torch.randn(3, 5, 2, 8)
+    out = nb._ours_call(Fah, q, k, k, True, ours_kw)
+    assert out.shape == q.shape and torch.equal(out, q * 2)
+    assert calls == [((15, 4, 8), (15, 2, 8), [0, 5, 10, 15], True, 5, 5, True)]

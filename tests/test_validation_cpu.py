@@ -441,3 +441,77 @@ def test_batch_or_nheads_beyond_grid_limit(what, dim):
     t = torch.randn(1, 4, 1, D).half().expand(*shape)  # no memory for the large dim
     with pytest.raises(ValueError, match=rf"^q has {what} 65536; at most 65535 is supported"):
         attention(t, t, t)
+
+
+# ------------------------------------------------------------------------------------------------- attention_varlen
+
+
+def _varlen_args(total_q=30, total_k=30):
+    q = torch.randn(total_q, H, D).half()
+    k = torch.randn(total_k, H, D).half()
+    v = torch.randn(total_k, H, D).half()
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    return q, k, v, cu, cu.clone()
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_varlen_rank(name):
+    q, k, v, cu_q, cu_k = _varlen_args()
+    args = {"q": q, "k": k, "v": v}
+    args[name] = args[name][None]
+    with pytest.raises(ValueError, match=rf"^{name} must have rank 3 \(total_tokens, nheads, head_dim\)"):
+        flash_attn_hopper.attention_varlen(args["q"], args["k"], args["v"], cu_q, cu_k, 20, 20)
+
+
+@pytest.mark.parametrize(
+    "which,bad,exc,match",
+    [
+        ("q", torch.tensor([0, 10, 30], dtype=torch.int64), ValueError, r"^cu_seqlens_q must have dtype torch\.int32"),
+        ("k", torch.tensor([0, 10, 30], dtype=torch.float32), ValueError, r"^cu_seqlens_k must have dtype torch\.int32"),
+        ("q", torch.tensor([[0, 10, 30]], dtype=torch.int32), ValueError, r"^cu_seqlens_q must be 1-D of length batch"),
+        ("k", torch.tensor([], dtype=torch.int32), ValueError, r"^cu_seqlens_k must be 1-D of length batch \+ 1 >= 1"),
+        ("q", [0, 10, 30], TypeError, r"^cu_seqlens_q must be a torch\.Tensor"),
+        ("k", torch.tensor([0, 30], dtype=torch.int32), ValueError, r"^cu_seqlens_q and cu_seqlens_k must have the same"),
+    ],
+)
+def test_varlen_cu_seqlens_meta(which, bad, exc, match):
+    q, k, v, cu_q, cu_k = _varlen_args()
+    if which == "q":
+        cu_q = bad
+    else:
+        cu_k = bad
+    with pytest.raises(exc, match=match):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20)
+
+
+@pytest.mark.parametrize(
+    "max_q,max_k,exc,match",
+    [(20.0, 20, TypeError, r"^max_seqlen_q must be a Python int"), (20, True, TypeError, r"^max_seqlen_k must be"),
+     (-1, 20, ValueError, r"^max_seqlen_q must be in \[0, 2\^31\)"), (20, 2**31, ValueError, r"^max_seqlen_k must be in")],
+)
+def test_varlen_max_seqlen(max_q, max_k, exc, match):
+    q, k, v, cu_q, cu_k = _varlen_args()
+    with pytest.raises(exc, match=match):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+def test_varlen_valid_arguments_reach_the_device_check():
+    q, k, v, cu_q, cu_k = _varlen_args()
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20, causal=True, window_size=(3, 0), softcap=5.0)
+
+
+def test_varlen_cu_seqlens_values():
+    summary = interface._cu_seqlens_summary
+    assert summary("cu", torch.tensor([0, 10, 10, 35], dtype=torch.int32)) == (0, 35, 25)
+    assert summary("cu", torch.tensor([0], dtype=torch.int32)) == (0, 0, 0)
+    with pytest.raises(ValueError, match=r"^cu must be non-decreasing, but entry 2 \(5\) < entry 1 \(10\)"):
+        summary("cu", torch.tensor([0, 10, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^cu must start at an offset >= 0"):
+        summary("cu", torch.tensor([-2, 10], dtype=torch.int32))
+    # checked once per tensor version: an in-place change is read again
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    assert summary("cu", cu) == (0, 9, 5)
+    cu[2] = 3
+    with pytest.raises(ValueError, match="non-decreasing"):
+        summary("cu", cu)

@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -187,38 +188,58 @@ at::Tensor tma_ready(at::Tensor const& t) {
   return c.data_ptr() == t.data_ptr() ? t.clone(at::MemoryFormat::Contiguous) : c;
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
-                                       double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                                       double softcap) {
-  check_attention_inputs(q_in, k_in, v_in, softmax_scale);
-  ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
-  int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
-  int const seqlen_k = k_in.size(1);
-  auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
+// Variable-length batches: the (batch + 1) int32 offsets on q's device, and the rows they cover (values are checked
+// in Python, where they can be read; here only what needs no device read).
+struct Varlen {
+  int const* cu_seqlens_q = nullptr;
+  int const* cu_seqlens_k = nullptr;
+  int batch = 0, max_seqlen_q = 0, max_seqlen_k = 0;
+};
 
-  c10::cuda::CUDAGuard guard(q_in.device());
-  check_sm90(q_in);
-  at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim}, q_in.options());
-  at::Tensor lse = at::empty({batch, nheads, seqlen_q}, q_in.options().dtype(at::kFloat));
-  if (out.numel() == 0 || seqlen_k == 0) {  // nothing to attend to: rows are 0, LSE -inf; no launch
-    out.zero_();
-    lse.fill_(-INFINITY);
-    return {out, lse};
+Varlen check_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& cu_seqlens_q,
+                    at::Tensor const& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  for (auto [name, t] : {std::pair<char const*, at::Tensor const*>{"cu_seqlens_q", &cu_seqlens_q},
+                         std::pair<char const*, at::Tensor const*>{"cu_seqlens_k", &cu_seqlens_k}}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->device() == q.device() && t->dim() == 1 && t->is_contiguous() &&
+                    t->numel() >= 1,
+                name, " must be a contiguous 1-D int32 tensor of length batch + 1 on q's device");
   }
+  TORCH_CHECK(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "cu_seqlens_q and cu_seqlens_k must have the same length");
+  TORCH_CHECK(cu_seqlens_q.numel() - 1 <= 65535, "at most 65535 sequences");
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0 && max_seqlen_q <= INT32_MAX && max_seqlen_k <= INT32_MAX,
+              "max_seqlen_q and max_seqlen_k must be in [0, 2^31)");
+  TORCH_CHECK(q.size(0) < INT32_MAX && k.size(0) < INT32_MAX, "total_q and total_k must be below 2^31");
+  return {cu_seqlens_q.data_ptr<int>(), cu_seqlens_k.data_ptr<int>(), int(cu_seqlens_q.numel() - 1),
+          int(max_seqlen_q), int(max_seqlen_k)};
+}
+
+// Forward of checked (batch, rows, nheads, head_dim) views into out (same layout, 3-D for varlen) and lse.
+void launch_fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, at::Tensor const& out,
+                at::Tensor const& lse, Varlen const& varlen, double softmax_scale, ScoreOptions const& opts) {
+  bool const is_varlen = varlen.cu_seqlens_q != nullptr;
+  int const head_dim = q_in.size(3);
+  auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
+  at::Tensor o = out.dim() == 3 ? out.unsqueeze(0) : out;
 
   flash::FwdParams p{};
   p.q_ptr = q.data_ptr();
   p.k_ptr = k.data_ptr();
   p.v_ptr = v.data_ptr();
-  p.o_ptr = out.data_ptr();
+  p.o_ptr = o.data_ptr();
   p.lse_ptr = lse.data_ptr<float>();
   p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
   p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
-  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
-  p.batch = batch, p.nheads = nheads, p.nheads_k = int(k.size(2)), p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
-  p.head_dim = head_dim;
+  p.o_batch_stride = o.stride(0), p.o_row_stride = o.stride(1), p.o_head_stride = o.stride(2);
+  p.nheads = q.size(2), p.nheads_k = int(k.size(2)), p.head_dim = head_dim;
+  if (is_varlen) {
+    p.batch = varlen.batch, p.seqlen_q = varlen.max_seqlen_q, p.seqlen_k = varlen.max_seqlen_k;
+    p.cu_seqlens_q = varlen.cu_seqlens_q, p.cu_seqlens_k = varlen.cu_seqlens_k;
+    p.total_q = int(q.size(1)), p.total_k = int(k.size(1));
+  } else {
+    p.batch = q.size(0), p.seqlen_q = q.size(1), p.seqlen_k = k.size(1);
+  }
   p.softmax_scale = float(softmax_scale);
   p.softcap = opts.softcap;
   p.window_left = opts.window_left, p.window_right = opts.window_right;
@@ -229,10 +250,143 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
     p.tile_counter = tile_counter.data_ptr<int>();
     p.num_sms = num_sms(q);
   }
-
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper forward launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
+                                       double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                                       double softcap) {
+  check_attention_inputs(q_in, k_in, v_in, softmax_scale);
+  ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
+  int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
+  int const seqlen_k = k_in.size(1);
+  require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
+
+  c10::cuda::CUDAGuard guard(q_in.device());
+  check_sm90(q_in);
+  at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim}, q_in.options());
+  at::Tensor lse = at::empty({batch, nheads, seqlen_q}, q_in.options().dtype(at::kFloat));
+  if (out.numel() == 0 || seqlen_k == 0) {  // nothing to attend to: rows are 0, LSE -inf; no launch
+    out.zero_();
+    lse.fill_(-INFINITY);
+    return {out, lse};
+  }
+  launch_fwd(q_in, k_in, v_in, out, lse, Varlen{}, softmax_scale, opts);
   return {out, lse};
+}
+
+// q (total_q, nheads, head_dim), k/v (total_k, nheads_k, head_dim) -> out like q, lse (nheads, total_q). Rows no
+// sequence covers (past cu_seqlens[-1]) get out 0 and LSE -inf.
+std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
+                                              at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                                              int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                              bool causal, int64_t window_left, int64_t window_right,
+                                              double softcap) {
+  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3,
+              "q, k, v must have rank 3 (total_tokens, nheads, head_dim) for variable-length attention");
+  at::Tensor q = q_in.unsqueeze(0), k = k_in.unsqueeze(0), v = v_in.unsqueeze(0);
+  check_attention_inputs(q, k, v, softmax_scale);
+  ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
+  Varlen const varlen = check_varlen(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  require_kernel(select_kernels(q.size(3), q.scalar_type()).fwd, q.size(3), q.scalar_type());
+
+  c10::cuda::CUDAGuard guard(q_in.device());
+  check_sm90(q_in);
+  // Zeroed / -inf first: rows past cu_seqlens_q[-1] belong to no sequence and are never written by the kernel.
+  at::Tensor out = at::zeros(q_in.sizes(), q_in.options());
+  at::Tensor lse = at::full({q_in.size(1), q_in.size(0)}, -INFINITY, q_in.options().dtype(at::kFloat));
+  if (varlen.batch == 0 || out.numel() == 0 || k_in.size(0) == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
+    return {out, lse};
+  }
+  launch_fwd(q, k, v, out, lse, varlen, softmax_scale, opts);
+  return {out, lse};
+}
+
+at::Tensor contiguous_dlse(std::optional<at::Tensor> const& dlse_in, at::Tensor const& lse, at::Tensor const& q) {
+  if (!dlse_in.has_value()) { return at::Tensor(); }
+  TORCH_CHECK(dlse_in->device() == q.device() && dlse_in->scalar_type() == at::kFloat &&
+                  dlse_in->sizes() == lse.sizes(),
+              "dlse must be a float32 tensor of lse's shape on q's device");
+  return dlse_in->contiguous();  // the gradient of lse.sum() arrives expanded (stride 0)
+}
+
+// Backward of checked (batch, rows, nheads, head_dim) views (batch 1 and packed rows when varlen) into dq, dk, dv
+// (allocated by the caller, in the layout of q, k, v).
+void launch_bwd(at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
+                at::Tensor const& out_in, at::Tensor const& lse, at::Tensor const& dlse, at::Tensor const& dq,
+                at::Tensor const& dk, at::Tensor const& dv, Varlen const& varlen, double softmax_scale,
+                ScoreOptions const& opts) {
+  bool const is_varlen = varlen.cu_seqlens_q != nullptr;
+  int const nheads = q_in.size(2), head_dim = q_in.size(3), nheads_k = k_in.size(2);
+  auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
+  at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
+  at::Tensor out = tma_ready(out_in), dout = tma_ready(dout_in);
+
+  int const batch = is_varlen ? varlen.batch : q.size(0);
+  int const seqlen_q = is_varlen ? varlen.max_seqlen_q : q.size(1);
+  int const seqlen_k = is_varlen ? varlen.max_seqlen_k : k.size(1);
+  constexpr int64_t kRound = flash::kBwdSeqlenQRounding;
+  // Workspace rows per (batch, head), or per head when varlen (each sequence starting on a whole tile).
+  int64_t const rows = is_varlen ? (q.size(1) + int64_t(batch) * kRound + kRound - 1) / kRound * kRound
+                                 : (seqlen_q + kRound - 1) / kRound * kRound;
+  TORCH_CHECK(rows <= INT32_MAX, "too many query rows for the backward's workspace");
+  int64_t const ws_outer = is_varlen ? int64_t(nheads) : int64_t(batch) * nheads;
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = at::zeros({ws_outer, rows, head_dim}, f32);
+  at::Tensor lse_log2 = at::empty({ws_outer, rows}, f32);
+  at::Tensor dpsum = at::empty({ws_outer, rows}, f32);
+  // GQA/MQA: the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
+  bool const gqa = nheads_k != nheads;
+  at::Tensor dk_accum, dv_accum;
+  if (gqa) {
+    dk_accum = at::zeros(k.sizes(), f32);
+    dv_accum = at::zeros(v.sizes(), f32);
+  }
+  at::Tensor dq4 = dq.dim() == 3 ? dq.unsqueeze(0) : dq;
+  at::Tensor dk4 = dk.dim() == 3 ? dk.unsqueeze(0) : dk;
+  at::Tensor dv4 = dv.dim() == 3 ? dv.unsqueeze(0) : dv;
+
+  flash::BwdParams p{};
+  p.q_ptr = q.data_ptr();
+  p.k_ptr = k.data_ptr();
+  p.v_ptr = v.data_ptr();
+  p.o_ptr = out.data_ptr();
+  p.do_ptr = dout.data_ptr();
+  p.lse_ptr = lse.data_ptr<float>();
+  p.dlse_ptr = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
+  p.dq_ptr = dq4.data_ptr();
+  p.dk_ptr = dk4.data_ptr();
+  p.dv_ptr = dv4.data_ptr();
+  p.dq_accum_ptr = dq_accum.data_ptr<float>();
+  p.lse_log2_ptr = lse_log2.data_ptr<float>();
+  p.dpsum_ptr = dpsum.data_ptr<float>();
+  p.dk_accum_ptr = gqa ? dk_accum.data_ptr<float>() : nullptr;
+  p.dv_accum_ptr = gqa ? dv_accum.data_ptr<float>() : nullptr;
+  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+  p.do_batch_stride = dout.stride(0), p.do_row_stride = dout.stride(1), p.do_head_stride = dout.stride(2);
+  p.dq_batch_stride = dq4.stride(0), p.dq_row_stride = dq4.stride(1), p.dq_head_stride = dq4.stride(2);
+  p.dk_batch_stride = dk4.stride(0), p.dk_row_stride = dk4.stride(1), p.dk_head_stride = dk4.stride(2);
+  p.dv_batch_stride = dv4.stride(0), p.dv_row_stride = dv4.stride(1), p.dv_head_stride = dv4.stride(2);
+  p.batch = batch, p.nheads = nheads, p.nheads_k = nheads_k, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.seqlen_q_rounded = int(rows), p.head_dim = head_dim;
+  if (is_varlen) {
+    p.cu_seqlens_q = varlen.cu_seqlens_q, p.cu_seqlens_k = varlen.cu_seqlens_k;
+    p.total_q = int(q.size(1)), p.total_k = int(k.size(1));
+  }
+  p.softmax_scale = float(softmax_scale);
+  p.softcap = opts.softcap;
+  p.window_left = opts.window_left, p.window_right = opts.window_right;
+
+  cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper backward launch failed: ", cudaGetErrorString(err));
+  if (gqa) {
+    dk4.copy_(dk_accum);
+    dv4.copy_(dv_accum);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at::Tensor const& q_in,
@@ -248,19 +402,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   TORCH_CHECK(out_in.sizes() == q_in.sizes() && dout_in.sizes() == q_in.sizes(),
               "out and dout must have the shape of q");
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
-  int const seqlen_k = k_in.size(1);
   TORCH_CHECK(lse.is_cuda() && lse.device() == q_in.device() && lse.scalar_type() == at::kFloat &&
                   lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads &&
                   lse.size(2) == seqlen_q,
               "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
-  at::Tensor dlse;
-  if (dlse_in.has_value()) {
-    TORCH_CHECK(dlse_in->device() == q_in.device() && dlse_in->scalar_type() == at::kFloat &&
-                    dlse_in->sizes() == lse.sizes(),
-                "dlse must be a float32 tensor of lse's shape (batch, nheads, seqlen_q) on q's device");
-    dlse = dlse_in->contiguous();  // the gradient of lse.sum() arrives expanded (stride 0)
-  }
-  auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
+  at::Tensor dlse = contiguous_dlse(dlse_in, lse, q_in);
+  require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
@@ -268,63 +415,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
     return {at::zeros(q_in.sizes(), q_in.options()), at::zeros(k_in.sizes(), k_in.options()),
             at::zeros(v_in.sizes(), v_in.options())};
   }
-  at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
-  at::Tensor out = tma_ready(out_in), dout = tma_ready(dout_in);
+  at::Tensor dq = at::empty(q_in.sizes(), q_in.options());
+  at::Tensor dk = at::empty(k_in.sizes(), k_in.options());
+  at::Tensor dv = at::empty(v_in.sizes(), v_in.options());
+  launch_bwd(dout_in, q_in, k_in, v_in, out_in, lse, dlse, dq, dk, dv, Varlen{}, softmax_scale, opts);
+  return {dq, dk, dv};
+}
 
-  int const seqlen_q_rounded =
-      (seqlen_q + flash::kBwdSeqlenQRounding - 1) / flash::kBwdSeqlenQRounding * flash::kBwdSeqlenQRounding;
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
-  auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dq_accum = at::zeros({batch, nheads, seqlen_q_rounded, head_dim}, f32);
-  at::Tensor lse_log2 = at::empty({batch, nheads, seqlen_q_rounded}, f32);
-  at::Tensor dpsum = at::empty({batch, nheads, seqlen_q_rounded}, f32);
-  // GQA/MQA: the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
-  int const nheads_k = k.size(2);
-  bool const gqa = nheads_k != nheads;
-  at::Tensor dk_accum, dv_accum;
-  if (gqa) {
-    dk_accum = at::zeros({batch, seqlen_k, nheads_k, head_dim}, f32);
-    dv_accum = at::zeros({batch, seqlen_k, nheads_k, head_dim}, f32);
+// Gradients of fwd_varlen. dq, dk, dv have the layouts of q, k, v; rows that no sequence covers get 0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
+    at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
+    at::Tensor const& out_in, at::Tensor const& lse, std::optional<at::Tensor> const& dlse_in,
+    at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap) {
+  TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3 && out_in.dim() == 3 && dout_in.dim() == 3,
+              "q, k, v, out, dout must have rank 3 (total_tokens, nheads, head_dim) for variable-length attention");
+  at::Tensor q = q_in.unsqueeze(0), k = k_in.unsqueeze(0), v = v_in.unsqueeze(0);
+  at::Tensor out = out_in.unsqueeze(0), dout = dout_in.unsqueeze(0);
+  check_attention_inputs(q, k, v, softmax_scale);
+  ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
+  check_qkv(out, "out", q);
+  check_qkv(dout, "dout", q);
+  TORCH_CHECK(out.sizes() == q.sizes() && dout.sizes() == q.sizes(), "out and dout must have the shape of q");
+  Varlen const varlen = check_varlen(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q_in.device() && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == q_in.size(1) && lse.size(1) == q_in.size(0),
+              "lse must be the contiguous float32 (nheads, total_q) tensor of the forward");
+  at::Tensor dlse = contiguous_dlse(dlse_in, lse, q_in);
+  require_kernel(select_kernels(q.size(3), q.scalar_type()).bwd, q.size(3), q.scalar_type());
+
+  c10::cuda::CUDAGuard guard(q_in.device());
+  check_sm90(q_in);
+  // Zeroed first: rows no sequence covers are never written by the kernels.
+  at::Tensor dq = at::zeros(q_in.sizes(), q_in.options());
+  at::Tensor dk = at::zeros(k_in.sizes(), k_in.options());
+  at::Tensor dv = at::zeros(v_in.sizes(), v_in.options());
+  if (varlen.batch == 0 || q_in.numel() == 0 || k_in.numel() == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
+    return {dq, dk, dv};
   }
-
-  flash::BwdParams p{};
-  p.q_ptr = q.data_ptr();
-  p.k_ptr = k.data_ptr();
-  p.v_ptr = v.data_ptr();
-  p.o_ptr = out.data_ptr();
-  p.do_ptr = dout.data_ptr();
-  p.lse_ptr = lse.data_ptr<float>();
-  p.dlse_ptr = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
-  p.dq_ptr = dq.data_ptr();
-  p.dk_ptr = dk.data_ptr();
-  p.dv_ptr = dv.data_ptr();
-  p.dq_accum_ptr = dq_accum.data_ptr<float>();
-  p.lse_log2_ptr = lse_log2.data_ptr<float>();
-  p.dpsum_ptr = dpsum.data_ptr<float>();
-  p.dk_accum_ptr = gqa ? dk_accum.data_ptr<float>() : nullptr;
-  p.dv_accum_ptr = gqa ? dv_accum.data_ptr<float>() : nullptr;
-  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
-  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
-  p.do_batch_stride = dout.stride(0), p.do_row_stride = dout.stride(1), p.do_head_stride = dout.stride(2);
-  p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
-  p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
-  p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
-  p.batch = batch, p.nheads = nheads, p.nheads_k = nheads_k, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
-  p.seqlen_q_rounded = seqlen_q_rounded, p.head_dim = head_dim;
-  p.softmax_scale = float(softmax_scale);
-  p.softcap = opts.softcap;
-  p.window_left = opts.window_left, p.window_right = opts.window_right;
-
-  cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
-  TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper backward launch failed: ", cudaGetErrorString(err));
-  if (gqa) {
-    dk.copy_(dk_accum);
-    dv.copy_(dv_accum);
-  }
+  launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, varlen, softmax_scale, opts);
   return {dq, dk, dv};
 }
 
@@ -337,10 +466,20 @@ TORCH_LIBRARY(flash_attn_hopper, m) {
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale,"
       " bool causal, int window_left, int window_right, float softcap) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q,"
+      " int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap)"
+      " -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse,"
+      " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale,"
+      " bool causal, int window_left, int window_right, float softcap) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("build_config() -> str", &build_config);
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) {
   m.impl("fwd", &fwd);
+  m.impl("fwd_varlen", &fwd_varlen);
+  m.impl("bwd_varlen", &bwd_varlen);
   m.impl("bwd", &bwd);
 }

@@ -25,6 +25,12 @@ struct FwdParams {
   int seqlen_q;
   int seqlen_k;
   int head_dim;
+  // Variable-length batches (null for dense ones): q/o are (total_q, nheads, head_dim) and k/v (total_k, nheads_k,
+  // head_dim), sequence b at rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and [cu_seqlens_k[b], cu_seqlens_k[b + 1]);
+  // seqlen_q/k are then upper bounds of the lengths, batch strides are unused and lse is (nheads, total_q).
+  int const* cu_seqlens_q;
+  int const* cu_seqlens_k;
+  int total_q, total_k;
 
   float softmax_scale;  // > 0
   float softcap;        // > 0: scores become softcap * tanh(softmax_scale * QKᵀ / softcap); 0: none
@@ -54,7 +60,8 @@ struct BwdParams {
   float* dk_accum_ptr;
   float* dv_accum_ptr;
 
-  // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to kBwdSeqlenQRounding = 128):
+  // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to kBwdSeqlenQRounding = 128; varlen:
+  // per head, each sequence in whole tiles, flash/common/seqlen.hpp bwd_workspace_row):
   float* dq_accum_ptr;  // (batch, nheads, seqlen_q_rounded, head_dim) fp32, zeroed before the main kernel
   float* lse_log2_ptr;  // (batch, nheads, seqlen_q_rounded): LSE * log2(e); +inf for rows with no key or padding
   float* dpsum_ptr;     // (batch, nheads, seqlen_q_rounded): D = rowsum(dO * O); 0 for padding
@@ -73,8 +80,12 @@ struct BwdParams {
   int nheads_k;
   int seqlen_q;
   int seqlen_k;
-  int seqlen_q_rounded;
+  int seqlen_q_rounded;  // workspace rows per (batch, head); varlen: per head (see flash/common/seqlen.hpp)
   int head_dim;
+  // Variable-length batches, as FwdParams (null for dense ones); dq/dk/dv like q/k/v, lse and dlse (nheads, total_q).
+  int const* cu_seqlens_q;
+  int const* cu_seqlens_k;
+  int total_q, total_k;
 
   // Gradient of the loss with respect to the forward's LSE (batch, nheads, seqlen_q) contiguous fp32, or null
   // when the loss does not use the LSE: dS gains P ∘ dLSE (d LSE_i / d S_ij = P_ij).

@@ -22,6 +22,8 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash/common/mask.hpp"
+#include "flash/common/seqlen.hpp"
+#include "flash/config.hpp"
 #include "flash/common/utils.hpp"
 
 namespace flash {
@@ -93,9 +95,12 @@ struct BwdTraitsBase {
     float* dq_accum_ptr;
     float const* lse_log2_ptr;
     float const* dpsum_ptr;
-    float* dk_accum_ptr;  // GQA/MQA: fp32 (batch, seqlen_k, nheads_k, head_dim) sums over a group; else null
+    float* dk_accum_ptr;  // GQA/MQA: fp32 (batch, seqlen_k, nheads_k, head_dim) or (total_k, ...) sums; else null
     float* dv_accum_ptr;
-    int nheads, nheads_k, seqlen_q, seqlen_k, seqlen_q_rounded;
+    int nheads, nheads_k, seqlen_q, seqlen_k;  // varlen: upper bounds of the lengths
+    int seqlen_q_rounded;                      // workspace rows per (batch, head), or per head when varlen
+    int const* cu_seqlens_q;                   // varlen: (batch + 1) row offsets; else null
+    int const* cu_seqlens_k;
     float softmax_scale;  // α: scales dK here and dQ in the postprocess
     // Forward's score transform (flash/common/softmax.hpp, score_scales): P = exp2(x * score_scale_log2 − LSE_log2)
     // with x = S_raw, or x = tanh(S_raw * softcap_pre) under a softcap.
@@ -246,8 +251,8 @@ CUTLASS_DEVICE void softcap_p_ds(float& s, float& dp, float score_scale_log2, fl
 // Producer perspective.
 template <class Traits>
 CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                 typename Traits::Pipeline& pipeline, int n_block, int bidh, int bidb,
-                                 int m_block_min, int m_block_max) {
+                                 typename Traits::Pipeline& pipeline, int n_block, int bidh,
+                                 SeqlenInfo const& info, int m_block_min, int m_block_max) {
   using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
@@ -256,11 +261,17 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});   // (N, d)
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});   // (N, d)
 
-  Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);
-  Tensor mdO = params.tma_do.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);
+  // This sequence's rows (varlen: from its row offset; rows past it are loaded but never used).
+  auto rows_q = [&](auto const& tma) {
+    return domain_offset(make_coord(info.offset_q, _0{}), tma.get_tma_tensor(params.shape_q)(_, _, bidh, info.bidb));
+  };
+  Tensor mQ = rows_q(params.tma_q);
+  Tensor mdO = rows_q(params.tma_do);
   int const bidh_kv = bidh / (params.nheads / params.nheads_k);
-  Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb);
-  Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb);
+  Tensor mK = domain_offset(make_coord(info.offset_k, _0{}),
+                            params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
+  Tensor mV = domain_offset(make_coord(info.offset_k, _0{}),
+                            params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));    // (M, d, m_blocks)
   Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m_blocks)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));  // (N, d)
@@ -283,8 +294,10 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
     copy(params.tma_q.with(*full, 0), tQgQ(_, m_block), tQsQ(_, write_state.index()));
     copy(params.tma_do.with(*full, 0), tdOgdO(_, m_block), tdOsdO(_, write_state.index()));
     if constexpr (Traits::kSwapSdP) {
-      // LSE_log2 and D of the tile's rows (rows are padded to seqlen_q_rounded, so every tile is whole).
-      int64_t const row0 = (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded + m_block * kBlockM;
+      // LSE_log2 and D of the tile's rows (workspace rows come in whole tiles, so every tile is whole).
+      int64_t const row0 = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+                                                                   params.seqlen_q_rounded, info.batch_idx, bidh) +
+                           m_block * kBlockM;
       int const off = write_state.index() * kBlockM;
       SM90_BULK_COPY_G2S::copy(params.lse_log2_ptr + row0, full, ss.smem_lse.data() + off, Traits::kStatBytes);
       SM90_BULK_COPY_G2S::copy(params.dpsum_ptr + row0, full, ss.smem_dpsum.data() + off, Traits::kStatBytes);
@@ -315,7 +328,7 @@ CUTLASS_DEVICE void for_each_row_pair(TensorAcc const& acc, TensorCoord const& c
 // written directly (MHA) or added into the group's fp32 sums (GQA/MQA).
 template <class Traits, class TensorAcc>
 CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc const& tdVrdV,
-                              TensorAcc const& tdKrdK, int mma_tidx, int n_block, int bidh, int bidb) {
+                              TensorAcc const& tdKrdK, int mma_tidx, int n_block, int bidh, SeqlenInfo const& info) {
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   typename Traits::TiledMmadKV tiled_mma_dkv;
   Tensor tdKVcdKV =
@@ -324,16 +337,17 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
   if (params.dk_accum_ptr != nullptr) {
     int const bidh_kv = bidh / (params.nheads / params.nheads_k);
     int64_t const row_stride = int64_t(params.nheads_k) * kHeadDim;
-    int64_t const offset = (int64_t(bidb) * params.seqlen_k * params.nheads_k + bidh_kv) * kHeadDim;
+    int64_t const offset =
+        ((int64_t(info.bidb) * params.seqlen_k + info.offset_k) * params.nheads_k + bidh_kv) * kHeadDim;
     // float2 atomics: the query heads of a group add into the same rows.
     auto add = [](float* base, float scale) {
       return [=](int64_t idx, float x0, float x1) {
         atomicAdd(reinterpret_cast<float2*>(base + idx), make_float2(x0 * scale, x1 * scale));
       };
     };
-    for_each_row_pair(tdVrdV, tdKVcdKV, row_stride, key_offset, params.seqlen_k,
+    for_each_row_pair(tdVrdV, tdKVcdKV, row_stride, key_offset, info.seqlen_k,
                       add(params.dv_accum_ptr + offset, 1.f));
-    for_each_row_pair(tdKrdK, tdKVcdKV, row_stride, key_offset, params.seqlen_k,
+    for_each_row_pair(tdKrdK, tdKVcdKV, row_stride, key_offset, info.seqlen_k,
                       add(params.dk_accum_ptr + offset, params.softmax_scale));
   } else {
     using Element = typename Traits::Element;
@@ -345,10 +359,13 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
         *reinterpret_cast<cutlass::Array<Element, 2>*>(base + idx) = pair;
       };
     };
-    for_each_row_pair(tdVrdV, tdKVcdKV, params.dv_row_stride, key_offset, params.seqlen_k,
-                      store(params.dv_ptr + bidb * params.dv_batch_stride + bidh * params.dv_head_stride, 1.f));
-    for_each_row_pair(tdKrdK, tdKVcdKV, params.dk_row_stride, key_offset, params.seqlen_k,
-                      store(params.dk_ptr + bidb * params.dk_batch_stride + bidh * params.dk_head_stride,
+    for_each_row_pair(tdVrdV, tdKVcdKV, params.dv_row_stride, key_offset, info.seqlen_k,
+                      store(params.dv_ptr + info.bidb * params.dv_batch_stride + info.offset_k * params.dv_row_stride +
+                                bidh * params.dv_head_stride,
+                            1.f));
+    for_each_row_pair(tdKrdK, tdKVcdKV, params.dk_row_stride, key_offset, info.seqlen_k,
+                      store(params.dk_ptr + info.bidb * params.dk_batch_stride + info.offset_k * params.dk_row_stride +
+                                bidh * params.dk_head_stride,
                             params.softmax_scale));
   }
 }
@@ -357,7 +374,7 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
 // the fp32 workspace (TMA reduce-add, one elected lane), then hands the chunk back once TMA has read it.
 template <class Traits>
 CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                  int bidh, int bidb, int m_block_min, int m_block_max) {
+                                  int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
   constexpr int kHeadDim = Traits::kHeadDim;
   Tensor sDQ = make_tensor(make_smem_ptr(ss.smem_dq.data()),
                            make_layout(make_shape(Int<Traits::kDQChunkRows>{}, Int<Traits::kDQChunkCols>{}, _2{}),
@@ -368,8 +385,9 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
       tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sDQ), group_modes<0, 2>(gDQ));
   bool const leader = cute::elect_one_sync();
   // Chunk index of the first row of this (batch, head): kBlockM * head_dim floats per Q tile, two chunks.
-  int64_t const chunk_base =
-      (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded * kHeadDim / Traits::kDQChunkFloats;
+  int64_t const chunk_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+                                                                     params.seqlen_q_rounded, info.batch_idx, bidh) *
+                             kHeadDim / Traits::kDQChunkFloats;
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     CUTLASS_PRAGMA_UNROLL
     for (int wg = 0; wg < 2; ++wg) {
@@ -398,7 +416,7 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
 template <class Traits, bool kSoftcap>
 CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                          typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,
-                                         int bidb, int m_block_min, int m_block_max) {
+                                         SeqlenInfo const& info, int m_block_min, int m_block_max) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   auto consumers_sync = [] { cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1); };
@@ -442,7 +460,7 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
   // (key, row) of each Sᵀ element this thread holds.
   Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  Window<kBlockM, kBlockN> const window{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right};
+  Window<kBlockM, kBlockN> const window{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
   int interior_lo, interior_hi;
   window.interior_m_blocks(n_block, interior_lo, interior_hi);
   int const warpgroup = mma_tidx / cutlass::NumThreadsPerWarpGroup;
@@ -537,14 +555,14 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
     }
   }
 
-  store_dkv<Traits>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, bidb);
+  store_dkv<Traits>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
 }
 
 // Consumer perspective (mma_tidx in [0, NumMmaThreads)).
 template <class Traits, bool kSoftcap>
 CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                 typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh, int bidb,
-                                 int m_block_min, int m_block_max) {
+                                 typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,
+                                 SeqlenInfo const& info, int m_block_min, int m_block_max) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   // The consumers' own named barrier: user id 1 (CUTLASS offsets user ids past its reserved ones).
@@ -595,11 +613,12 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kDQCols = Traits::kDQCols;
   Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQCols>>{}));
-  Window<kBlockM, kBlockN> const window{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right};
+  Window<kBlockM, kBlockN> const window{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
   int interior_lo, interior_hi;
   window.interior_m_blocks(n_block, interior_lo, interior_hi);
 
-  int64_t const row_base = (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q_rounded;
+  int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+                                                                   params.seqlen_q_rounded, info.batch_idx, bidh);
   float const* lse_log2 = params.lse_log2_ptr + row_base;
   float const* dpsum = params.dpsum_ptr + row_base;
   float* dq_accum = params.dq_accum_ptr + row_base * kHeadDim;
@@ -695,7 +714,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
     }
   }
 
-  store_dkv<Traits>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, bidb);
+  store_dkv<Traits>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
 }
 
 template <class Traits, bool kSoftcap>
@@ -711,7 +730,9 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   // Causal: the first key blocks are seen by the most query blocks; start them first.
   int const n_block = blockIdx.x;
   int const bidh = blockIdx.y;
-  int const bidb = blockIdx.z;
+  SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k, blockIdx.z);
+  // Varlen: the grid covers the longest sequence's key blocks; a block past this sequence's keys has nothing to do.
+  if (n_block * Traits::kBlockN >= info.seqlen_k) { return; }
 
   if (warp_idx == 0 && lane_predicate) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -732,27 +753,28 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   __syncthreads();
 
   int m_block_min, m_block_max;
-  Window<Traits::kBlockM, Traits::kBlockN>{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right}
+  Window<Traits::kBlockM, Traits::kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}
       .m_block_range(n_block, m_block_min, m_block_max);
 
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     // The pipeline's leader (thread 0) is the one thread that issues every TMA load.
     if (threadIdx.x == 0 && m_block_max > m_block_min) {
-      bwd_producer<Traits>(params, ss, pipeline, n_block, bidh, bidb, m_block_min, m_block_max);
+      bwd_producer<Traits>(params, ss, pipeline, n_block, bidh, info, m_block_min, m_block_max);
     }
     if constexpr (Traits::kSwapSdP) {
       if (warp_idx == 1 && m_block_max > m_block_min) {
-        bwd_dq_writer<Traits>(params, ss, bidh, bidb, m_block_min, m_block_max);
+        bwd_dq_writer<Traits>(params, ss, bidh, info, m_block_min, m_block_max);
       }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     if constexpr (Traits::kSwapSdP) {
-      bwd_consumer_swapped<Traits, kSoftcap>(params, ss, pipeline, mma_tidx, n_block, bidh, bidb, m_block_min, m_block_max);
+      bwd_consumer_swapped<Traits, kSoftcap>(params, ss, pipeline, mma_tidx, n_block, bidh, info, m_block_min,
+                                             m_block_max);
     } else {
-      bwd_consumer<Traits, kSoftcap>(params, ss, pipeline, mma_tidx, n_block, bidh, bidb, m_block_min, m_block_max);
+      bwd_consumer<Traits, kSoftcap>(params, ss, pipeline, mma_tidx, n_block, bidh, info, m_block_min, m_block_max);
     }
   }
 }

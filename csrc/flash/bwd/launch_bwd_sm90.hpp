@@ -30,33 +30,42 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       gqa != (p.dv_accum_ptr != nullptr)) {
     return cudaErrorInvalidValue;
   }
-  // The workspaces' rows: whole tiles of every kBlockM (bulk copies of LSE/D, dQ chunks, postprocess grid).
-  if (p.seqlen_q_rounded < p.seqlen_q || p.seqlen_q_rounded % kBwdSeqlenQRounding != 0 || !(p.softcap >= 0.f)) {
+  // The workspaces' rows: whole tiles of every kBlockM (bulk copies of LSE/D, dQ chunks, postprocess grid); varlen
+  // sequences each start on a tile (flash/common/seqlen.hpp), which needs up to one tile more per sequence.
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  int64_t const min_rows = varlen ? int64_t(p.total_q) + int64_t(p.batch) * kBwdSeqlenQRounding : p.seqlen_q;
+  if (varlen != (p.cu_seqlens_k != nullptr) || p.seqlen_q_rounded < min_rows ||
+      p.seqlen_q_rounded % kBwdSeqlenQRounding != 0 || !(p.softcap >= 0.f)) {
     return cudaErrorInvalidValue;
   }
+  // Grids cover the longest sequence (seqlen_q/k: the maxima when varlen); blocks past a sequence's end return.
+  int const max_rows_q = cute::round_up(p.seqlen_q, kBwdSeqlenQRounding);
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
   int window_left, window_right;
   kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
 
   {
     constexpr int kWarps = 8;
-    dim3 grid(cute::ceil_div(p.seqlen_q_rounded, kWarps), p.nheads, p.batch);
+    dim3 grid(cute::ceil_div(max_rows_q, kWarps), p.nheads, p.batch);
     flash_bwd_preprocess_kernel<Element, kHeadDim><<<grid, kWarps * 32, 0, stream>>>(p);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) { return err; }
   }
 
+  // Varlen: the packed rows as one batch element; sequences are found by row offsets in the kernels.
+  int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
-    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, p.batch, row, head, batch);
+    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, varlen ? 1 : p.batch, row, head, batch);
   };
-  auto mQ = gmem(p.q_ptr, p.seqlen_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mdO = gmem(p.do_ptr, p.seqlen_q, p.nheads, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
-  auto mK = gmem(p.k_ptr, p.seqlen_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = gmem(p.v_ptr, p.seqlen_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mQ = gmem(p.q_ptr, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mdO = gmem(p.do_ptr, rows_q, p.nheads, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
+  auto mK = gmem(p.k_ptr, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = gmem(p.v_ptr, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   auto kv_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
-  int64_t const dq_accum_rows = int64_t(p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim / Traits::kDQChunkCols;
+  int64_t const dq_accum_rows =
+      int64_t(varlen ? 1 : p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim / Traits::kDQChunkCols;
   if (dq_accum_rows > INT32_MAX) { return cudaErrorInvalidValue; }
   Tensor mDQaccum = make_tensor(make_gmem_ptr(p.dq_accum_ptr),
                                 make_layout(make_shape(int32_t(dq_accum_rows), Int<Traits::kDQChunkCols>{}),
@@ -89,6 +98,8 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       p.seqlen_q,
       p.seqlen_k,
       p.seqlen_q_rounded,
+      p.cu_seqlens_q,
+      p.cu_seqlens_k,
       p.softmax_scale,
       scales.score_scale_log2,
       scales.softcap_pre,
@@ -108,7 +119,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
 
   if constexpr (Traits::kSwapSdP) {
     // dQ accumulator tiles in the dQ GEMM's register order (see bwd_dq_writer).
-    dim3 grid(p.seqlen_q_rounded / Traits::kBlockM, p.nheads, p.batch);
+    dim3 grid(max_rows_q / Traits::kBlockM, p.nheads, p.batch);
     flash_bwd_postprocess_tiled_kernel<Traits><<<grid, Traits::NumMmaThreads, 0, stream>>>(p);
   } else {
     constexpr int kThreads = 256;

@@ -14,24 +14,37 @@
 
 #include <cute/tensor.hpp>
 
+#include "flash/common/seqlen.hpp"
+#include "flash/config.hpp"
 #include "flash/params.hpp"
 
 namespace flash {
 
-// One warp per query row; lanes stride over head_dim in vectors of 8 elements (16 bytes).
+// Row `row` of sequence `info` (head bidh) in the forward's LSE: (batch, nheads, seqlen_q), or (nheads, total_q) when
+// varlen.
+CUTLASS_DEVICE int64_t lse_index(BwdParams const& p, SeqlenInfo const& info, int bidh, int row) {
+  return p.cu_seqlens_q != nullptr ? int64_t(bidh) * p.total_q + info.offset_q + row
+                                   : (int64_t(info.batch_idx) * p.nheads + bidh) * p.seqlen_q + row;
+}
+
+// One warp per query row; lanes stride over head_dim in vectors of 8 elements (16 bytes). Covers each sequence's rows
+// rounded up to whole workspace tiles.
 template <class Element, int kHeadDim>
 __global__ void flash_bwd_preprocess_kernel(BwdParams const p) {
   constexpr int kVec = 8;
   static_assert(kHeadDim % (32 * kVec) == 0 || (32 * kVec) % kHeadDim == 0);
   int const lane = threadIdx.x % 32;
   int const row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  int const bidh = blockIdx.y, bidb = blockIdx.z;
-  if (row >= p.seqlen_q_rounded) { return; }
+  int const bidh = blockIdx.y;
+  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
+  constexpr int kRound = kBwdSeqlenQRounding;
+  if (row >= (info.seqlen_q + kRound - 1) / kRound * kRound) { return; }
   float dot = 0.f;
-  if (row < p.seqlen_q) {
-    auto const* o = static_cast<Element const*>(p.o_ptr) + bidb * p.o_batch_stride + row * p.o_row_stride +
+  if (row < info.seqlen_q) {
+    int64_t const r = info.offset_q + row;
+    auto const* o = static_cast<Element const*>(p.o_ptr) + info.bidb * p.o_batch_stride + r * p.o_row_stride +
                     bidh * p.o_head_stride;
-    auto const* dout = static_cast<Element const*>(p.do_ptr) + bidb * p.do_batch_stride + row * p.do_row_stride +
+    auto const* dout = static_cast<Element const*>(p.do_ptr) + info.bidb * p.do_batch_stride + r * p.do_row_stride +
                        bidh * p.do_head_stride;
     for (int c = lane * kVec; c < kHeadDim; c += 32 * kVec) {
       auto ov = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(o + c);
@@ -43,10 +56,12 @@ __global__ void flash_bwd_preprocess_kernel(BwdParams const p) {
   CUTLASS_PRAGMA_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
   if (lane == 0) {
-    int64_t const idx = (int64_t(bidb) * p.nheads + bidh) * p.seqlen_q_rounded + row;
+    int64_t const idx =
+        bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
+        row;
     float lse_log2 = INFINITY;
-    if (row < p.seqlen_q) {
-      int64_t const row_idx = (int64_t(bidb) * p.nheads + bidh) * p.seqlen_q + row;
+    if (row < info.seqlen_q) {
+      int64_t const row_idx = lse_index(p, info, bidh, row);
       float const lse = p.lse_ptr[row_idx];
       if (lse != -INFINITY) {  // a row that saw no key has P = 0: its dLSE (even inf or NaN) must not leak in
         lse_log2 = lse * float(M_LOG2E);
@@ -63,16 +78,22 @@ template <class Element, int kHeadDim>
 __global__ void flash_bwd_postprocess_kernel(BwdParams const p) {
   constexpr int kVec = 8;
   int64_t const idx = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
-  int const bidh = blockIdx.y, bidb = blockIdx.z;
-  if (idx >= int64_t(p.seqlen_q) * kHeadDim) { return; }
+  int const bidh = blockIdx.y;
+  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
+  if (idx >= int64_t(info.seqlen_q) * kHeadDim) { return; }
   int const row = idx / kHeadDim, col = idx % kHeadDim;
-  float const* acc = p.dq_accum_ptr + ((int64_t(bidb) * p.nheads + bidh) * p.seqlen_q_rounded + row) * kHeadDim + col;
+  float const* acc =
+      p.dq_accum_ptr +
+      (bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
+       row) * kHeadDim +
+      col;
   auto a = *reinterpret_cast<cutlass::Array<float, kVec> const*>(acc);
   cutlass::Array<Element, kVec> out;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kVec; ++i) { out[i] = Element(a[i] * p.softmax_scale); }
-  *reinterpret_cast<cutlass::Array<Element, kVec>*>(static_cast<Element*>(p.dq_ptr) + bidb * p.dq_batch_stride +
-                                                    row * p.dq_row_stride + bidh * p.dq_head_stride + col) = out;
+  *reinterpret_cast<cutlass::Array<Element, kVec>*>(static_cast<Element*>(p.dq_ptr) + info.bidb * p.dq_batch_stride +
+                                                    (info.offset_q + int64_t(row)) * p.dq_row_stride +
+                                                    bidh * p.dq_head_stride + col) = out;
 }
 
 // Postprocess for the kSwapSdP main kernel, whose dQ accumulator holds each (kBlockM, head_dim) tile in the register
@@ -86,16 +107,20 @@ __global__ void __launch_bounds__(Traits::NumMmaThreads)
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kThreads = Traits::NumMmaThreads;
   constexpr int kPad = 8;  // elements: staggers rows across banks
   __shared__ __align__(16) Element tile[kBlockM][kHeadDim + kPad];
-  int const m_block = blockIdx.x, bidh = blockIdx.y, bidb = blockIdx.z;
+  int const m_block = blockIdx.x, bidh = blockIdx.y;
+  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
+  if (m_block * kBlockM >= info.seqlen_q) { return; }  // varlen: past this sequence (the grid fits the longest)
   int const t = threadIdx.x, wg = t / cutlass::NumThreadsPerWarpGroup, wg_tidx = t % cutlass::NumThreadsPerWarpGroup;
 
   typename Traits::TiledMmadQ tiled_mma_dq;
   Tensor tdQcdQ = tiled_mma_dq.get_thread_slice(t).partition_C(
       cute::make_identity_tensor(cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   constexpr int kValues = decltype(cute::size(tdQcdQ))::value;
-  float const* src = p.dq_accum_ptr +
-                     ((int64_t(bidb) * p.nheads + bidh) * p.seqlen_q_rounded + int64_t(m_block) * kBlockM) * kHeadDim +
-                     wg * Traits::kDQChunkFloats;
+  float const* src =
+      p.dq_accum_ptr +
+      (bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
+       int64_t(m_block) * kBlockM) * kHeadDim +
+      wg * Traits::kDQChunkFloats;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kValues; i += 4) {
     float4 const v = *reinterpret_cast<float4 const*>(src + (i * cutlass::NumThreadsPerWarpGroup + 4 * wg_tidx));
@@ -112,9 +137,10 @@ __global__ void __launch_bounds__(Traits::NumMmaThreads)
   for (int c = t; c < kBlockM * kChunksPerRow; c += kThreads) {
     int const r = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
     int const row = m_block * kBlockM + r;
-    if (row < p.seqlen_q) {
-      *reinterpret_cast<cutlass::Array<Element, kVec>*>(static_cast<Element*>(p.dq_ptr) + bidb * p.dq_batch_stride +
-                                                        row * p.dq_row_stride + bidh * p.dq_head_stride + col) =
+    if (row < info.seqlen_q) {
+      *reinterpret_cast<cutlass::Array<Element, kVec>*>(static_cast<Element*>(p.dq_ptr) + info.bidb * p.dq_batch_stride +
+                                                        (info.offset_q + int64_t(row)) * p.dq_row_stride +
+                                                        bidh * p.dq_head_stride + col) =
           *reinterpret_cast<cutlass::Array<Element, kVec> const*>(&tile[r][col]);
     }
   }

@@ -17,6 +17,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash/common/mask.hpp"
+#include "flash/common/seqlen.hpp"
 #include "flash/common/softmax.hpp"
 #include "flash/common/utils.hpp"
 
@@ -99,7 +100,10 @@ struct FwdKernelTraits {
     Element* o_ptr;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
     float* lse_ptr;
-    int nheads, seqlen_q, seqlen_k;
+    int64_t lse_batch_stride, lse_head_stride;  // LSE of row r: lse_ptr + b * batch + h * head + offset_q + r
+    int nheads, seqlen_q, seqlen_k;             // varlen: the maxima (bound the tiles and the window)
+    int const* cu_seqlens_q;                    // varlen: (batch + 1) row offsets into q/o and k/v; else null
+    int const* cu_seqlens_k;
     int qheads_per_kvhead;  // GQA/MQA group size (1 for MHA)
     // Scores enter the softmax as x * score_scale: x = S_raw, score_scale = softmax_scale; or, with a softcap c,
     // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and score_scale = c.
@@ -114,12 +118,22 @@ struct FwdKernelTraits {
   };
 
   // Tile t: the heads' query blocks in order, the last query block first (with a causal mask it sees the most keys).
-  // Consecutive tiles read the same K/V (L2 reuse), and the query heads of a GQA group are adjacent.
-  CUTLASS_DEVICE static void decode_tile(Params const& params, int tile, int& m_block, int& bidh, int& bidb) {
+  // Consecutive tiles read the same K/V (L2 reuse), and the query heads of a GQA group are adjacent. Also returns the
+  // tile's sequence and its key-block range (empty for a query block past its sequence's end: varlen tiles are
+  // counted with the longest sequence; such a tile writes nothing).
+  CUTLASS_DEVICE static SeqlenInfo decode_tile(Params const& params, int tile, int& m_block, int& bidh,
+                                               int& n_block_min, int& n_block_max) {
     int const head_batch = tile / params.num_m_blocks;
     m_block = params.num_m_blocks - 1 - (tile - head_batch * params.num_m_blocks);
     bidh = head_batch % params.nheads;
-    bidb = head_batch / params.nheads;
+    SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k,
+                          head_batch / params.nheads);
+    n_block_min = n_block_max = 0;
+    if (m_block * kBlockM < info.seqlen_q) {
+      Window<kBlockM, kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}.n_block_range(
+          m_block, n_block_min, n_block_max);
+    }
+    return info;
   }
 };
 
@@ -128,8 +142,8 @@ struct FwdKernelTraits {
 template <class Traits>
 CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
-                                 typename Traits::PipelineState& write_state, int m_block, int bidh, int bidb,
-                                 int n_block_min, int n_block_max) {
+                                 typename Traits::PipelineState& write_state, int m_block, int bidh,
+                                 SeqlenInfo const& info, int n_block_min, int n_block_max) {
   using Element = typename Traits::Element;
   using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -138,10 +152,15 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});  // (N, d, stages)
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});  // (N, d, stages)
 
-  Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, bidb);  // (seqlen_q, d)
+  // (seqlen, d) of this sequence: varlen sequences start at their row offset (TMA coordinates shift; rows past the
+  // sequence are loaded but masked or never written, rows past the tensor are zero-filled).
+  Tensor mQ = domain_offset(make_coord(info.offset_q, _0{}),
+                            params.tma_q.get_tma_tensor(params.shape_q)(_, _, bidh, info.bidb));
   int const bidh_kv = bidh / params.qheads_per_kvhead;
-  Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb);  // (seqlen_k, d)
-  Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, bidb);  // (seqlen_k, d)
+  Tensor mK = domain_offset(make_coord(info.offset_k, _0{}),
+                            params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
+  Tensor mV = domain_offset(make_coord(info.offset_k, _0{}),
+                            params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));  // (M, d)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n_blocks)
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n_blocks)
@@ -170,7 +189,8 @@ template <class Traits, bool kSoftcap>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
-                                 int mma_tidx, int m_block, int bidh, int bidb, int n_block_min, int n_block_max) {
+                                 int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
+                                 int n_block_max) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
@@ -190,7 +210,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
   OnlineSoftmax<kRows> softmax(params.score_scale_log2);
-  Window<kBlockM, kBlockN> const window{params.seqlen_q, params.seqlen_k, params.window_left, params.window_right};
+  Window<kBlockM, kBlockN> const window{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
   int interior_lo, interior_hi;
   window.interior_n_blocks(m_block, interior_lo, interior_hi);
   // Raw S -> the scores the softmax sees: softcap (before the mask, so masked scores stay -inf), then the mask on
@@ -297,12 +317,14 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor c = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  Element* o_base = params.o_ptr + bidb * params.o_batch_stride + bidh * params.o_head_stride;
-  float* lse_base = params.lse_ptr + (int64_t(bidb) * params.nheads + bidh) * params.seqlen_q;
+  Element* o_base = params.o_ptr + info.bidb * params.o_batch_stride + info.offset_q * params.o_row_stride +
+                    bidh * params.o_head_stride;
+  float* lse_base =
+      params.lse_ptr + info.bidb * params.lse_batch_stride + bidh * params.lse_head_stride + info.offset_q;
   CUTLASS_PRAGMA_UNROLL
   for (int r = 0; r < kRows; ++r) {
     int const row = m_block * kBlockM + get<0>(c(r, 0));
-    if (row < params.seqlen_q) {
+    if (row < info.seqlen_q) {
       Element* o_row = o_base + row * params.o_row_stride;
       // Columns come in adjacent pairs: one 32-bit store each.
       CUTLASS_PRAGMA_UNROLL
@@ -348,8 +370,6 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  Window<Traits::kBlockM, Traits::kBlockN> const window{params.seqlen_q, params.seqlen_k, params.window_left,
-                                                        params.window_right};
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     // The pipeline's leader (thread 0) is the one thread that issues every TMA load and picks the tiles: it hands
@@ -369,12 +389,11 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
         if constexpr (Traits::kPersistent) {
           if (params.tile_counter != nullptr) { next = atomicAdd(params.tile_counter, 1) + int(gridDim.x); }
         }
-        int m_block, bidh, bidb, n_block_min, n_block_max;
-        Traits::decode_tile(params, tile, m_block, bidh, bidb);
-        window.n_block_range(m_block, n_block_min, n_block_max);
+        int m_block, bidh, n_block_min, n_block_max;
+        SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
         ss.tile_idx = tile;
         if (n_block_max > n_block_min) {
-          fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, write_state, m_block, bidh, bidb, n_block_min,
+          fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, write_state, m_block, bidh, info, n_block_min,
                                n_block_max);
         } else {
           ss.barrier_q.arrive();  // no key to see: the consumers write zeros and LSE -inf
@@ -396,11 +415,10 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       ss.barrier_q.wait(iter & 1);
       int const tile = ss.tile_idx;
       if (tile < 0) { break; }
-      int m_block, bidh, bidb, n_block_min, n_block_max;
-      Traits::decode_tile(params, tile, m_block, bidh, bidb);
-      window.n_block_range(m_block, n_block_min, n_block_max);
+      int m_block, bidh, n_block_min, n_block_max;
+      SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
       fwd_consumer<Traits, kSoftcap>(params, ss, pipeline_k, pipeline_v, k_state, v_state, mma_tidx, m_block, bidh,
-                                     bidb, n_block_min, n_block_max);
+                                     info, n_block_min, n_block_max);
       if constexpr (!Traits::kPersistent) { break; }
     }
     // Warpgroup 1's last hand-over is left on warpgroup 0's barrier: take it.

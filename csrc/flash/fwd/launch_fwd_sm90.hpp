@@ -33,12 +33,16 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   int64_t const keys_per_tile = std::min<int64_t>(p.seqlen_k, int64_t(window_left) + window_right + Traits::kBlockM);
   bool const persistent = Traits::kPersistent && p.tile_counter != nullptr &&
                           cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= kFwdPersistentMaxKeyBlocks;
+  // Varlen: the packed rows as one batch element; sequences are found by row offsets in the kernel.
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  if (varlen != (p.cu_seqlens_k != nullptr)) { return cudaErrorInvalidValue; }
+  int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
-    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, p.batch, row, head, batch);
+    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, varlen ? 1 : p.batch, row, head, batch);
   };
-  auto mQ = gmem(p.q_ptr, p.seqlen_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mK = gmem(p.k_ptr, p.seqlen_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = gmem(p.v_ptr, p.seqlen_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mQ = gmem(p.q_ptr, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mK = gmem(p.k_ptr, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = gmem(p.v_ptr, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 
   typename Traits::Params kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{},
@@ -54,9 +58,13 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       p.o_row_stride,
       p.o_head_stride,
       p.lse_ptr,
+      varlen ? 0 : int64_t(p.nheads) * p.seqlen_q,
+      varlen ? int64_t(p.total_q) : int64_t(p.seqlen_q),
       p.nheads,
       p.seqlen_q,
       p.seqlen_k,
+      p.cu_seqlens_q,
+      p.cu_seqlens_k,
       p.nheads / p.nheads_k,
       scales.score_scale,
       scales.score_scale_log2,

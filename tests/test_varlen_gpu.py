@@ -1,0 +1,157 @@
+"""Variable-length batches (``attention_varlen``, issue 5) on an sm90 GPU: out, LSE and dQ, dK, dV against the float32
+reference run per sequence (``flash_attn_hopper.testing.attention_varlen_ref``), by the rule of DESIGN.md §3, with
+NaN-poisoned memory before each call. Skipped, with the reason, without an sm90 GPU and the built extension."""
+
+import pytest
+import torch
+
+from flash_attn_hopper import attention, attention_varlen
+from flash_attn_hopper.testing import assert_close_by_rule, attention_varlen_ref, attention_varlen_ref_grads
+from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import poison_allocator as _poison_allocator
+from gpu_helpers import randn as _randn
+from gpu_helpers import require_built as _require_built
+
+pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
+
+DTYPES = [torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp16", "bf16"]
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def _inputs(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, extra_q=0, extra_k=0, scale=1.0):
+    total_q, total_k = sum(lengths_q) + extra_q, sum(lengths_k) + extra_k
+    q = _randn(total_q, nheads, head_dim, dtype=dtype) * scale
+    k = _randn(total_k, nheads_k, head_dim, dtype=dtype) * scale
+    v = _randn(total_k, nheads_k, head_dim, dtype=dtype)
+    dout = _randn(total_q, nheads, head_dim, dtype=dtype)
+    return q, k, v, dout
+
+
+def _run_and_check(q, k, v, dout, cu_q, cu_k, max_q, max_k, name, dlse=None, **opts):
+    """Forward and backward against the reference; rows no sequence covers and rows that see no key: out and dQ 0,
+    LSE -inf; dK, dV of key rows past cu_seqlens_k[-1] 0. Inputs unmodified."""
+    before = [t.clone() for t in (q, k, v, dout, cu_q, cu_k)]
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    e = q.element_size()
+    _poison_allocator(q.numel() * e, k.numel() * e, q.shape[0] * q.shape[1] * 4)
+    out, lse = attention_varlen(*leaves, cu_q, cu_k, max_q, max_k, return_lse=True, **opts)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (q.shape[1], q.shape[0])
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
+    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
+    assert_close_by_rule(out, ref, naive, f"{name} out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
+    empty = torch.isneginf(ref_lse).transpose(0, 1)  # (total_q, nheads)
+    if empty.any():
+        rows = out.detach()[empty]
+        assert torch.equal(rows, torch.zeros_like(rows)), f"{name}: rows that see no key are not exactly 0"
+
+    _poison_allocator(q.numel() * e, k.numel() * e)
+    outputs, grads_in = [out], [dout]
+    if dlse is not None:
+        outputs.append(lse)
+        grads_in.append(dlse)
+    grads = torch.autograd.grad(outputs, leaves, grads_in)
+    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, dlse=dlse, **opts)
+    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, dlse=dlse, **opts)
+    for gname, g, r, n in zip(("dq", "dk", "dv"), grads, ref_g, naive_g):
+        assert g.shape == r.shape and g.dtype == q.dtype, gname
+        assert_close_by_rule(g, r, n, f"{name} {gname}")
+    if empty.any():
+        rows = grads[0][empty]
+        assert torch.equal(rows, torch.zeros_like(rows)), f"{name}: dQ rows that see no key are not exactly 0"
+    last_k = int(cu_k[-1])
+    for gname, g in (("dk", grads[1]), ("dv", grads[2])):
+        tail = g[last_k:]
+        assert torch.equal(tail, torch.zeros_like(tail)), f"{name}: {gname} rows past cu_seqlens_k[-1] are not 0"
+    for t, b in zip((q, k, v, dout, cu_q, cu_k), before):
+        assert torch.equal(t, b), f"{name}: an input was modified"
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_varlen_issue_case_causal(dtype, head_dim):
+    """The issue's lengths: queries [0, 77, 0, 130, 5], keys [10, 77, 0, 60, 200], causal (bottom-right per sequence,
+    so the 130-query sequence over 60 keys has 70 rows that see no key, and the 0-key sequence gives nothing), plus 3
+    query rows and 2 key rows past the last sequence."""
+    _require_built(head_dim, dtype)
+    lq, lk = [0, 77, 0, 130, 5], [10, 77, 0, 60, 200]
+    q, k, v, dout = _inputs(lq, lk, 4, 4, head_dim, dtype, extra_q=3, extra_k=2)
+    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "issue case", causal=True)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(causal=True), dict(window_size=(17, 3)), dict(softcap=15.0), dict(causal=True, window_size=(40, 0))],
+    ids=["full", "causal", "window", "softcap", "causal-window"],
+)
+@pytest.mark.parametrize("nheads_k", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_varlen_options(opts, nheads_k):
+    head_dim = 128
+    dtype = _built_dtype(head_dim)
+    lq, lk = [1, 300, 129, 0, 64], [5, 257, 129, 33, 0]
+    scale = 2.0 if "softcap" in opts else 1.0
+    q, k, v, dout = _inputs(lq, lk, 4, nheads_k, head_dim, dtype, scale=scale)
+    # max_seqlen larger than the longest sequence is allowed
+    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq) + 100, max(lk) + 7, f"options {opts}", **opts)
+
+
+def test_varlen_lse_gradient():
+    dtype = _built_dtype(64)
+    lq, lk = [50, 0, 200], [70, 10, 150]
+    q, k, v, dout = _inputs(lq, lk, 3, 3, 64, dtype)
+    dlse = torch.randn(3, sum(lq), device="cuda")
+    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "dlse", dlse=dlse, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_equal_lengths_match_dense(causal):
+    """Equal lengths: the same numbers as the dense kernel on the (batch, seqlen) view (both checked by the rule; the
+    same tiles run, so out and LSE agree to the bit)."""
+    dtype = _built_dtype(128)
+    batch, seqlen, nheads = 3, 333, 4
+    q, k, v, _ = _inputs([seqlen] * batch, [seqlen] * batch, nheads, nheads, 128, dtype)
+    cu = _cu([seqlen] * batch)
+    out, lse = attention_varlen(q, k, v, cu, cu, seqlen, seqlen, causal=causal, return_lse=True)
+    dense_out, dense_lse = attention(
+        *(t.view(batch, seqlen, nheads, 128) for t in (q, k, v)), causal=causal, return_lse=True
+    )
+    assert torch.equal(out.view(batch, seqlen, nheads, 128), dense_out)
+    assert torch.equal(lse.view(nheads, batch, seqlen).transpose(0, 1), dense_lse)
+
+
+def test_varlen_many_sequences_persistent():
+    """~200 sequences of random lengths (0 to 300) and 8 heads: many more tiles than SMs, most past their sequence's
+    end (the grid is sized by max_seqlen)."""
+    dtype = _built_dtype(64)
+    gen = torch.Generator().manual_seed(5)
+    lq = torch.randint(0, 301, (200,), generator=gen).tolist()
+    lk = torch.randint(0, 301, (200,), generator=gen).tolist()
+    q, k, v, dout = _inputs(lq, lk, 8, 2, 64, dtype)
+    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "many", causal=True)
+
+
+def test_varlen_bad_cu_seqlens_raise():
+    dtype = _built_dtype(64)
+    q, k, v, _ = _inputs([10, 20], [10, 20], 2, 2, 64, dtype)
+    good = _cu([10, 20])
+    cases = [
+        (good.to(torch.int64), good, "must have dtype torch.int32"),
+        (good.cpu(), good, "cu_seqlens must be on q's device"),
+        (good[None], good, "must be 1-D"),
+        (good, _cu([10, 20, 0]), "same length"),
+        (torch.tensor([0, 20, 10], dtype=torch.int32, device="cuda"), good, "non-decreasing"),
+        (torch.tensor([0, 10, 31], dtype=torch.int32, device="cuda"), good, "past the 30 rows"),
+        (torch.tensor([-1, 10, 30], dtype=torch.int32, device="cuda"), good, "offset >= 0"),
+    ]
+    for cu_q, cu_k, match in cases:
+        with pytest.raises(ValueError, match=match):
+            attention_varlen(q, k, v, cu_q, cu_k, 30, 30)
+    with pytest.raises(ValueError, match="max_seqlen_q is 19 but cu_seqlens_q holds a sequence of length 20"):
+        attention_varlen(q, k, v, good, good, 19, 20)
+    with pytest.raises(TypeError, match="max_seqlen_k must be a Python int"):
+        attention_varlen(q, k, v, good, good, 20, 20.0)
