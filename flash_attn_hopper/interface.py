@@ -14,6 +14,7 @@ _MAX_GRID_YZ = 65535  # batch and nheads index grid dimensions y and z
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
+_MAX_SEQLEN = 2**30  # the kernels' index sums stay in int32 below this
 
 
 def _check_tensor_args(q, k, v):
@@ -51,6 +52,9 @@ def _check_tensor_args(q, k, v):
     for what, value in (("batch", batch), ("nheads", nheads)):
         if value > _MAX_GRID_YZ:
             raise ValueError(f"q has {what} {value}; at most {_MAX_GRID_YZ} is supported (CUDA grid limit)")
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[1] >= _MAX_SEQLEN:
+            raise ValueError(f"{name} has {t.shape[1]} rows (seqlen or total tokens); at most {_MAX_SEQLEN - 1} are supported")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q has head_dim {head_dim}; supported head_dim values are {list(SUPPORTED_HEAD_DIMS)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -260,12 +264,16 @@ def _check_cu_seqlens_meta(name, cu, q):
         raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; cu_seqlens must be on q's device")
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must be 1-D of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
+    if not cu.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (stride 1), got stride {cu.stride()}")
 
 
 def _cu_seqlens_summary(name, cu):
     """(first, last, longest) of a cu_seqlens tensor whose entries are checked to be >= 0 and non-decreasing; read
-    from the device once per tensor version."""
-    cached = _CHECKED_CU_SEQLENS.get(id(cu))
+    from the device once per tensor version (inference-mode tensors have no version counter: read every time; writes
+    that bypass the version counter, such as through ``.data``, are not seen)."""
+    cacheable = not cu.is_inference()
+    cached = _CHECKED_CU_SEQLENS.get(id(cu)) if cacheable else None
     if cached is not None and cached[0]() is cu and cached[1] == cu._version:
         return cached[2:]
     values = cu.tolist()  # one small device-to-host copy
@@ -276,6 +284,8 @@ def _cu_seqlens_summary(name, cu):
         i = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(f"{name} must be non-decreasing, but entry {i + 1} ({values[i + 1]}) < entry {i} ({values[i]})")
     summary = (values[0], values[-1], max(lengths, default=0))
+    if not cacheable:
+        return summary
     key = id(cu)
     ref = weakref.ref(cu, lambda _, key=key: _CHECKED_CU_SEQLENS.pop(key, None))
     _CHECKED_CU_SEQLENS[key] = (ref, cu._version) + summary
@@ -337,7 +347,9 @@ def attention_varlen(
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
-    the layers of a model step reuse the check); under torch.compile that check is skipped and the values are trusted.
+    the layers of a model step reuse the check); under torch.compile that check is skipped and the values are trusted,
+    and rows past the last sequence must then hold finite values (a last partial tile loads them). In every mode the
+    tokens of one sequence must be finite for its neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -374,17 +386,27 @@ def attention_varlen(
         return (out, lse) if return_lse else out
     _check_sm90("q", q.device)
     _check_compiled(q.shape[-1], q.dtype)
+    last = {}
     for name, cu, rows, max_name, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
     ):
-        _, last, longest = _cu_seqlens_summary(name, cu)
-        if last > rows:
-            raise ValueError(f"{name} ends at row {last}, past the {rows} rows of {name[-1]}")
+        _, last[name], longest = _cu_seqlens_summary(name, cu)
+        if last[name] > rows:
+            raise ValueError(f"{name} ends at row {last[name]}, past the {rows} rows of {name[-1]}")
         if longest > max_len:
             raise ValueError(f"{max_name} is {max_len} but {name} holds a sequence of length {longest}")
+    # Rows past the last sequence belong to none (a preallocated buffer may hold anything there): the kernels get views
+    # without them, since a last partial tile would otherwise load them (masked, but 0 * NaN is NaN).
+    last_q, last_k = last["cu_seqlens_q"], last["cu_seqlens_k"]
+    tail_q = q.shape[0] - last_q
+    if tail_q or last_k < k.shape[0]:
+        q, k, v = q[:last_q], k[:last_k], v[:last_k]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _ops.AttentionVarlenFunction.apply(q, k, v, *args)
     else:
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen(q, k, v, *args)
+    if tail_q:  # those rows: output 0, LSE -inf (and zero gradients through the padding)
+        out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tail_q))
+        lse = torch.nn.functional.pad(lse, (0, tail_q), value=float("-inf"))
     return (out, lse) if return_lse else out

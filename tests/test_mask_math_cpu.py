@@ -148,3 +148,40 @@ def test_kernel_window_clamps_unbounded_and_wide_sides():
     assert kernel_window(25, 11, 10, 20) == (20 + HEADROOM, 10 + HEADROOM)
     assert kernel_window(20, 10, 10, 20) == (20, 10)
     assert kernel_window(3, 0, 10, 20) == (3, 0)
+
+
+def bwd_workspace_row(cu_seqlens_q, nheads, rows_per_head, batch_idx, bidh, rounding=128):
+    """Port of flash/common/seqlen.hpp bwd_workspace_row."""
+    if cu_seqlens_q is not None:
+        start = (cu_seqlens_q[batch_idx] + batch_idx * rounding) // rounding * rounding
+        return bidh * rows_per_head + start
+    return (batch_idx * nheads + bidh) * rows_per_head
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[0, 77, 0, 130, 5], [128] * 5, [1] * 40, [127, 129, 255, 257, 0, 0, 1], [300]],
+)
+def test_varlen_workspace_regions_disjoint_and_aligned(lengths):
+    """Each sequence's backward workspace region (its rows rounded up to whole 128-row tiles, where the LSE/D bulk
+    copies, the dQ chunks and the postprocess read) starts on a tile, stays inside the head's rows as the host sizes
+    them (csrc/api/flash_api.cpp launch_bwd), and overlaps no other sequence's region; dQ chunks (32 x 128 floats)
+    start on chunk boundaries for head_dim 64 and 128."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    batch, total_q, nheads = len(lengths), cu[-1], 3
+    rows = ceil_div(total_q + batch * 128, 128) * 128
+    for h in range(nheads):
+        regions = []
+        for b in range(batch):
+            start = bwd_workspace_row(cu, nheads, rows, b, h)
+            size = ceil_div(lengths[b], 128) * 128
+            assert start % 128 == 0
+            assert h * rows <= start and start + size <= (h + 1) * rows, (b, h, start, size, rows)
+            for head_dim in (64, 128):
+                assert start * head_dim % (32 * 128) == 0
+            regions.append((start, start + size))
+        regions.sort()
+        for (a0, a1), (b0, b1) in zip(regions, regions[1:]):
+            assert a1 <= b0, regions

@@ -515,3 +515,23 @@ def test_varlen_cu_seqlens_values():
     cu[2] = 3
     with pytest.raises(ValueError, match="non-decreasing"):
         summary("cu", cu)
+
+
+def test_seqlen_of_2_30_rejected():
+    t = torch.randn(1, 1, 1, D).half().expand(1, 2**30, 1, D)  # no memory for the long dim
+    with pytest.raises(ValueError, match=r"^q has 1073741824 rows \(seqlen or total tokens\); at most 1073741823"):
+        attention(t, t, t)
+
+
+def test_varlen_cu_seqlens_not_contiguous():
+    q, k, v, cu_q, cu_k = _varlen_args()
+    strided = torch.tensor([0, 0, 10, 0, 30, 0], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q must be contiguous"):
+        flash_attn_hopper.attention_varlen(q, k, v, strided, cu_k, 20, 20)
+
+
+def test_varlen_cu_seqlens_inference_mode_not_cached():
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        assert interface._cu_seqlens_summary("cu", cu) == (0, 9, 5)
+        assert interface._cu_seqlens_summary("cu", cu) == (0, 9, 5)

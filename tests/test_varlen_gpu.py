@@ -155,3 +155,25 @@ def test_varlen_bad_cu_seqlens_raise():
         attention_varlen(q, k, v, good, good, 19, 20)
     with pytest.raises(TypeError, match="max_seqlen_k must be a Python int"):
         attention_varlen(q, k, v, good, good, 20, 20.0)
+
+
+def test_varlen_rows_past_last_sequence_may_hold_nan():
+    """A preallocated buffer with NaN in the rows past cu_seqlens[-1]: they belong to no sequence and reach no result
+    (the last sequence's partial tile would otherwise load them); their outputs and gradients are 0 (LSE -inf)."""
+    dtype = _built_dtype(128)
+    lq, lk = [70, 100], [90, 33]
+    q, k, v, dout = _inputs(lq, lk, 2, 2, 128, dtype, extra_q=50, extra_k=60)
+    for t, n in ((q, sum(lq)), (k, sum(lk)), (v, sum(lk))):
+        t[n:] = float("nan")
+    ref, ref_lse = attention_varlen_ref(q, k, v, _cu(lq), _cu(lk), causal=True)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out, lse = attention_varlen(*leaves, _cu(lq), _cu(lk), max(lq), max(lk), causal=True, return_lse=True)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert torch.equal(out[sum(lq):], torch.zeros_like(out[sum(lq):])) and torch.isneginf(lse[:, sum(lq):]).all()
+    naive, _ = attention_varlen_ref(q, k, v, _cu(lq), _cu(lk), causal=True, upcast=False)
+    n = sum(lq)
+    assert_close_by_rule(out[:n], ref[:n], naive[:n], "nan tail out")
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    for name, g, rows in (("dq", dq, sum(lq)), ("dk", dk, sum(lk)), ("dv", dv, sum(lk))):
+        assert torch.isfinite(g).all(), name
+        assert torch.equal(g[rows:], torch.zeros_like(g[rows:])), name

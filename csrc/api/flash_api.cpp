@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <atomic>
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <optional>
@@ -103,6 +104,8 @@ void check_attention_inputs(at::Tensor const& q, at::Tensor const& k, at::Tensor
   TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   TORCH_CHECK(nheads <= 65535 && q.size(0) <= 65535, "nheads and batch must be at most 65535");
+  // The kernels' mask and tile sums (flash/common/mask.hpp) stay in int for lengths below 2^30.
+  TORCH_CHECK(q.size(1) < (1 << 30) && k.size(1) < (1 << 30), "seqlen_q and seqlen_k must be below 2^30");
 }
 
 // Causal, window and softcap as the params take them: causal is the window's right side 0 (a right side other
@@ -208,9 +211,9 @@ Varlen check_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& 
   TORCH_CHECK(cu_seqlens_q.numel() - 1 <= 65535, "at most 65535 sequences");
   TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0 && max_seqlen_q <= INT32_MAX && max_seqlen_k <= INT32_MAX,
               "max_seqlen_q and max_seqlen_k must be in [0, 2^31)");
-  TORCH_CHECK(q.size(0) < INT32_MAX && k.size(0) < INT32_MAX, "total_q and total_k must be below 2^31");
+  // No sequence is longer than its tensor: clamping the maxima is exact and keeps the kernels' index sums in range.
   return {cu_seqlens_q.data_ptr<int>(), cu_seqlens_k.data_ptr<int>(), int(cu_seqlens_q.numel() - 1),
-          int(max_seqlen_q), int(max_seqlen_k)};
+          int(std::min<int64_t>(max_seqlen_q, q.size(0))), int(std::min<int64_t>(max_seqlen_k, k.size(0)))};
 }
 
 // Forward of checked (batch, rows, nheads, head_dim) views into out (same layout, 3-D for varlen) and lse.
