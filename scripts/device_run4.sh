@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One device call within ~7 minutes: the GPU check from a clean build (SASS, tests with a per-test hang guard,
+# benchmark with the feature points); results within 8 files in $OUT.
+set -u
+FINAL=$OUT
+export OUT=/tmp/gc
+mkdir -p $OUT
+rm -f flash_attn_hopper/_C*.so; rm -rf build .fah_build
+PYTEST_ARGS="--timeout 150 --timeout-method thread" timeout ${CHECK_TIMEOUT:-440} bash scripts/gpu_check.sh > /tmp/gpu_check.out 2>&1
+echo "gpu_check rc $?"
+tail -n 80 /tmp/gpu_check.out | grep -v "^| dense | \(64\|256\)"
+for f in summary.txt pytest.log kernels.txt bench_attention.json bench_extra.tar.gz build.log; do cp -f $OUT/$f $FINAL/ 2>/dev/null; done
+[ -f $OUT/bench.log ] && cp -f $OUT/bench.log $FINAL/
+gzip -f $FINAL/build.log 2>/dev/null
+ls $FINAL
