@@ -37,15 +37,14 @@ def _load():
 EXTENSION_LOADED = _load()
 
 
-def _backward(saved, dout, dlse, softmax_scale, causal, window_left, window_right, softcap):
-    """dq, dk, dv through the backward op. dout None (only lse used by the loss) means a zero output gradient;
-    dlse None means the loss does not use lse."""
+def _backward(saved, dout, dlse, *args):
+    """dq, dk, dv through the backward op (args: softmax_scale, causal, window_left, window_right, softcap,
+    deterministic). dout None (only lse used by the loss) means a zero output gradient; dlse None means the loss does
+    not use lse."""
     q, k, v, out, lse = saved
     if dout is None:
         dout = torch.zeros_like(out)
-    return torch.ops.flash_attn_hopper.bwd(
-        dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap
-    )
+    return torch.ops.flash_attn_hopper.bwd(dout, q, k, v, out, lse, dlse, *args)
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -54,17 +53,17 @@ class AttentionFunction(torch.autograd.Function):
     the registered op's Python autograd wrapper (that one stays for torch.compile and opcheck)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap):
-        out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap)
+    def forward(ctx, q, k, v, *args):
+        out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, *args)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (softmax_scale, causal, window_left, window_right, softcap)
+        ctx.args = args
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         dq, dk, dv = _backward(ctx.saved_tensors, dout, dlse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * len(ctx.args)
 
 
 class AttentionVarlenFunction(torch.autograd.Function):
@@ -83,7 +82,7 @@ class AttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         dq, dk, dv = _backward_varlen(ctx.saved_tensors, dout, dlse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * (len(ctx.args) + 2)  # + cu_seqlens_q, cu_seqlens_k
 
 
 def _backward_varlen(saved, dout, dlse, max_seqlen_q, max_seqlen_k, *args):
@@ -103,14 +102,15 @@ def _register_python_kernels():
     """
 
     @torch.library.register_fake("flash_attn_hopper::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap):
+    def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic):
         batch, seqlen_q, nheads, _ = q.shape
         return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])), q.new_empty(
             (batch, nheads, seqlen_q), dtype=torch.float32
         )
 
     @torch.library.register_fake("flash_attn_hopper::bwd")
-    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap):
+    def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
+                  deterministic):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def _fwd_setup_context(ctx, inputs, output):
@@ -122,7 +122,7 @@ def _register_python_kernels():
 
     def _fwd_backward(ctx, dout, dlse):
         dq, dk, dv = _backward(ctx.saved_tensors, dout, dlse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * len(ctx.args)
 
     torch.library.register_autograd("flash_attn_hopper::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
@@ -144,7 +144,7 @@ def _register_python_kernels():
 
     def _fwd_varlen_backward(ctx, dout, dlse):
         dq, dk, dv = _backward_varlen(ctx.saved_tensors, dout, dlse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * (len(ctx.args) + 2)  # + cu_seqlens_q, cu_seqlens_k
 
     torch.library.register_autograd(
         "flash_attn_hopper::fwd_varlen", _fwd_varlen_backward, setup_context=_fwd_varlen_setup_context

@@ -73,7 +73,7 @@ GRAD_NAMES = ("dq", "dk", "dv")
 SCHEMA = 2  # 1: the records of benchmarks/bench_attention.py before the nightly (no "feature", no "stats")
 
 # Feature points: measured at these head dims and seqlens (intersected with --head-dims / --seqlens).
-FEATURES = ("dense", "gqa", "varlen", "window", "softcap")
+FEATURES = ("dense", "gqa", "varlen", "window", "softcap", "deterministic")
 FEATURE_HEAD_DIMS = (128,)
 FEATURE_SEQLENS = (1024, 4096, 16384)
 GQA_GROUP = 4  # nheads / nheads_kv
@@ -664,6 +664,10 @@ def feature_support(fah, feature):
         return None if "window_size" in params else "not in flash_attn_hopper yet (attention() has no window_size)"
     if feature == "softcap":
         return None if "softcap" in params else "not in flash_attn_hopper yet (attention() has no softcap)"
+    if feature == "deterministic":
+        if "deterministic" in params:
+            return None
+        return "not in flash_attn_hopper yet (attention() has no deterministic)"
     if feature == "varlen":
         if not hasattr(fah, "attention_varlen"):
             return "not in flash_attn_hopper yet (no attention_varlen entry point)"
@@ -682,6 +686,8 @@ def feature_kwargs(spec):
         return {"softcap": SOFTCAP}, {}, "torch SDPA has no softcap kernel", False
     if f == "varlen":
         return {"varlen": True}, {}, "torch SDPA has no variable-length kernel", False
+    if f == "deterministic":
+        return {"deterministic": True}, {}, "peers not run at the deterministic points (compare with dense)", False
     return {}, {}, None, True
 
 

@@ -118,12 +118,16 @@ def _check_compiled(head_dim, dtype):
         raise TypeError(f"q has dtype {dtype}, which this build does not include (built with {list(dtypes)})")
 
 
+def _check_bool(name, value):
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and isinstance(getattr(value, "item", lambda: None)(), bool):
+        return bool(value)  # numpy.bool_
+    raise TypeError(f"{name} must be a bool, got {type(value).__module__}.{type(value).__qualname__}")
+
+
 def _check_causal(causal):
-    if isinstance(causal, bool):
-        return causal
-    if type(causal).__module__ == "numpy" and isinstance(getattr(causal, "item", lambda: None)(), bool):
-        return bool(causal)  # numpy.bool_
-    raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__qualname__}")
+    return _check_bool("causal", causal)
 
 
 def _check_window(window_size, causal):
@@ -167,7 +171,10 @@ def _check_softcap(softcap, softmax_scale):
     return softcap
 
 
-def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0):
+def attention(
+    q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0,
+    deterministic=False,
+):
     """Exact scaled dot-product attention on Hopper GPUs (FlashAttention-3 forward and backward).
 
     Computes, per batch element and head, ``O = softmax(S + mask) V`` with ``S = softmax_scale * Q Kᵀ``
@@ -197,6 +204,9 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, wi
             skipped, so the cost grows with the window, not with seqlen_k.
         softcap: keyword-only float >= 0; when > 0, scores become ``softcap * tanh(S / softcap)`` before the
             softmax (Gemma 2 style logit soft-capping), with the matching backward (factor ``1 - tanh²``). 0: off.
+        deterministic: keyword-only bool; if True the backward adds the partial sums of dQ (and, with GQA, of dK
+            and dV) in a fixed order, so repeated backward passes give bitwise-identical gradients (at some cost in
+            speed); if False (default) they are added as they finish and the last bits may differ between runs.
 
     Returns:
         ``out`` of shape ``(batch, seqlen_q, nheads, head_dim)`` in q's dtype, or ``(out, lse)`` with ``lse``
@@ -205,7 +215,8 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, wi
 
     Raises:
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
-            softmax_scale or softcap is not a real number; causal is not a bool; window_size is not a pair of ints.
+            softmax_scale or softcap is not a real number; causal or deterministic is not a bool; window_size is not a
+            pair of ints.
         ValueError: rank is not 4; batch or head_dim differ between q, k, v; k and v differ in nheads_k, or
             nheads is not a multiple of nheads_k; seqlen_k differs between
             k and v; batch or nheads above 65535; head_dim is not 64/128/256 (or not in this build); the last
@@ -228,9 +239,10 @@ def attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, wi
     causal = _check_causal(causal)
     window_left, window_right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap, softmax_scale)
+    deterministic = _check_bool("deterministic", deterministic)
     _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
     _ops.require_extension()
-    args = (softmax_scale, causal, window_left, window_right, softcap)
+    args = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
     if torch.compiler.is_compiling():
         # The registered op: fake kernels and autograd live with it (flash_attn_hopper/_ops.py and
         # csrc/api/flash_api.cpp), so torch.compile traces this call as one node. The host queries below are
@@ -314,6 +326,7 @@ def attention_varlen(
     window_size=(-1, -1),
     softcap=0.0,
     return_lse=False,
+    deterministic=False,
 ):
     """Attention over a batch of sequences of different lengths packed along the token dimension (no padding).
 
@@ -331,7 +344,7 @@ def attention_varlen(
             belong to no sequence.
         max_seqlen_q, max_seqlen_k: Python ints, at least the longest query / key sequence (larger is allowed; it
             sizes the launch grid).
-        softmax_scale, causal, window_size, softcap, return_lse: as ``attention``.
+        softmax_scale, causal, window_size, softcap, return_lse, deterministic: as ``attention``.
 
     Returns:
         ``out`` ``(total_q, nheads, head_dim)`` in q's dtype, or ``(out, lse)`` with ``lse`` float32
@@ -366,6 +379,7 @@ def attention_varlen(
     causal = _check_causal(causal)
     window_left, window_right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap, softmax_scale)
+    deterministic = _check_bool("deterministic", deterministic)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     _check_cu_seqlens_meta("cu_seqlens_q", cu_seqlens_q, q)
@@ -380,7 +394,7 @@ def attention_varlen(
     _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
     _ops.require_extension()
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-            softcap)
+            softcap, deterministic)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen(q, k, v, *args)
         return (out, lse) if return_lse else out

@@ -45,7 +45,7 @@ def main():
         torch.autograd.grad(out, (q, k, v), dout)
 
     def registered_op():
-        out, _ = torch.ops.flash_attn_hopper.fwd(q, k, v, 0.125, True, -1, 0, 0.0)
+        out, _ = torch.ops.flash_attn_hopper.fwd(q, k, v, 0.125, True, -1, 0, 0.0, False)
         torch.autograd.grad(out, (q, k, v), dout)
 
     def ours_fwd_only():

@@ -24,9 +24,10 @@ def _built_head_dim():
     pytest.skip("no head dim in this build")
 
 
-# (causal, window_left, window_right, softcap) as the ops take them
-OPTIONS = [(False, -1, -1, 0.0), (True, -1, 0, 0.0), (False, 17, 3, 0.0), (True, 64, 0, 15.0)]
-OPTION_IDS = ["full", "causal", "window", "causal-window-softcap"]
+# (causal, window_left, window_right, softcap, deterministic) as the ops take them
+OPTIONS = [(False, -1, -1, 0.0, False), (True, -1, 0, 0.0, False), (False, 17, 3, 0.0, True),
+           (True, 64, 0, 15.0, True)]
+OPTION_IDS = ["full", "causal", "window-deterministic", "causal-window-softcap-deterministic"]
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)

@@ -225,7 +225,7 @@ def test_eager_path_matches_registered_op():
             out, lse = attention(*leaves, return_lse=True, **opts)
             assert type(out.grad_fn).__name__.startswith("AttentionFunction"), type(out.grad_fn).__name__
         else:
-            out, lse = torch.ops.flash_attn_hopper.fwd(*leaves, 128**-0.5, False, 100, 0, 10.0)
+            out, lse = torch.ops.flash_attn_hopper.fwd(*leaves, 128**-0.5, False, 100, 0, 10.0, False)
         dq, dk, dv = torch.autograd.grad([out, lse], leaves, [dout, dlse])
         assert_close_by_rule(dq, ref_dq, naive_dq, f"{path} dq")
         results.append((out, lse, dk, dv))

@@ -226,7 +226,7 @@ def test_grid_has_feature_points_and_window_flops():
     specs = nb.grid_specs(args)
     dense = [s for s in specs if s["feature"] == "dense"]
     assert len(dense) == 3 * 2 * 6
-    for f in ("gqa", "varlen", "window", "softcap"):
+    for f in ("gqa", "varlen", "window", "softcap", "deterministic"):
         fs = [s for s in specs if s["feature"] == f]
         assert {s["head_dim"] for s in fs} == {128} and {s["seqlen"] for s in fs} == {1024, 4096, 16384}
         assert len(fs) == 6
@@ -248,7 +248,7 @@ def test_feature_support_reports_reasons():
             pass
 
     assert nb.feature_support(NoFeatures, "dense") is None
-    for f in ("window", "softcap", "varlen"):
+    for f in ("window", "softcap", "varlen", "deterministic"):
         assert nb.feature_support(NoFeatures, f).startswith("not in flash_attn_hopper yet")
     assert nb.feature_support(WithWindow, "window") is None and nb.feature_support(WithWindow, "softcap") is None
     import flash_attn_hopper
@@ -334,7 +334,7 @@ def test_cli_run_writes_record_with_meta_stats_and_skips(tmp_path):
     st = dense[0]["fwd"]["stats"]["ours"]
     assert {"median", "p20", "p80", "min", "max", "n"} <= set(st)
     skipped = [r for r in doc["results"] if r.get("skipped")]
-    assert {r["feature"] for r in skipped} == {"gqa", "varlen", "window", "softcap"}
+    assert {r["feature"] for r in skipped} == {"gqa", "varlen", "window", "softcap", "deterministic"}
     assert all(r["skipped"].startswith("not in flash_attn_hopper yet") for r in skipped)
     assert {r["head_dim"] for r in skipped} == {128} and {r["seqlen"] for r in skipped} == {1024, 4096}
 

@@ -535,3 +535,12 @@ def test_varlen_cu_seqlens_inference_mode_not_cached():
         cu = torch.tensor([0, 4, 9], dtype=torch.int32)
         assert interface._cu_seqlens_summary("cu", cu) == (0, 9, 5)
         assert interface._cu_seqlens_summary("cu", cu) == (0, 9, 5)
+
+
+@pytest.mark.parametrize("bad", [1, None, "yes"], ids=["int", "None", "str"])
+def test_deterministic_not_bool(bad):
+    with pytest.raises(TypeError, match=r"^deterministic must be a bool"):
+        attention(*_qkv(), deterministic=bad)
+    q, k, v, cu_q, cu_k = _varlen_args()
+    with pytest.raises(TypeError, match=r"^deterministic must be a bool"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20, deterministic=bad)

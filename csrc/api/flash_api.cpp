@@ -257,9 +257,10 @@ void launch_fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper forward launch failed: ", cudaGetErrorString(err));
 }
 
+// `deterministic` only travels to the backward (autograd saves the forward's inputs); the forward is deterministic.
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
                                        double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                                       double softcap) {
+                                       double softcap, bool /*deterministic*/) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
@@ -285,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q_in, at::Tensor
                                               at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
                                               int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                                               bool causal, int64_t window_left, int64_t window_right,
-                                              double softcap) {
+                                              double softcap, bool /*deterministic*/) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3,
               "q, k, v must have rank 3 (total_tokens, nheads, head_dim) for variable-length attention");
   at::Tensor q = q_in.unsqueeze(0), k = k_in.unsqueeze(0), v = v_in.unsqueeze(0);
@@ -319,7 +320,7 @@ at::Tensor contiguous_dlse(std::optional<at::Tensor> const& dlse_in, at::Tensor 
 void launch_bwd(at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
                 at::Tensor const& out_in, at::Tensor const& lse, at::Tensor const& dlse, at::Tensor const& dq,
                 at::Tensor const& dk, at::Tensor const& dv, Varlen const& varlen, double softmax_scale,
-                ScoreOptions const& opts) {
+                ScoreOptions const& opts, bool deterministic) {
   bool const is_varlen = varlen.cu_seqlens_q != nullptr;
   int const nheads = q_in.size(2), head_dim = q_in.size(3), nheads_k = k_in.size(2);
   auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
@@ -345,6 +346,13 @@ void launch_bwd(at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor co
   if (gqa) {
     dk_accum = at::zeros(k.sizes(), f32);
     dv_accum = at::zeros(v.sizes(), f32);
+  }
+  // Deterministic mode: counters sized for the smallest tile (64 rows or keys) of any head_dim's configuration.
+  at::Tensor dq_semaphore, dkv_semaphore;
+  if (deterministic) {
+    auto i32 = q.options().dtype(at::kInt);
+    dq_semaphore = at::zeros({int64_t(batch) * nheads * ((seqlen_q + 63) / 64)}, i32);
+    if (gqa) { dkv_semaphore = at::zeros({int64_t(batch) * nheads_k * ((seqlen_k + 63) / 64)}, i32); }
   }
   at::Tensor dq4 = dq.dim() == 3 ? dq.unsqueeze(0) : dq;
   at::Tensor dk4 = dk.dim() == 3 ? dk.unsqueeze(0) : dk;
@@ -383,6 +391,8 @@ void launch_bwd(at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor co
   p.softmax_scale = float(softmax_scale);
   p.softcap = opts.softcap;
   p.window_left = opts.window_left, p.window_right = opts.window_right;
+  p.dq_semaphore = dq_semaphore.defined() ? dq_semaphore.data_ptr<int>() : nullptr;
+  p.dkv_semaphore = dkv_semaphore.defined() ? dkv_semaphore.data_ptr<int>() : nullptr;
 
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper backward launch failed: ", cudaGetErrorString(err));
@@ -397,7 +407,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
                                                    at::Tensor const& out_in, at::Tensor const& lse,
                                                    std::optional<at::Tensor> const& dlse_in, double softmax_scale,
                                                    bool causal, int64_t window_left, int64_t window_right,
-                                                   double softcap) {
+                                                   double softcap, bool deterministic) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
   check_qkv(out_in, "out", q_in);
@@ -421,7 +431,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   at::Tensor dq = at::empty(q_in.sizes(), q_in.options());
   at::Tensor dk = at::empty(k_in.sizes(), k_in.options());
   at::Tensor dv = at::empty(v_in.sizes(), v_in.options());
-  launch_bwd(dout_in, q_in, k_in, v_in, out_in, lse, dlse, dq, dk, dv, Varlen{}, softmax_scale, opts);
+  launch_bwd(dout_in, q_in, k_in, v_in, out_in, lse, dlse, dq, dk, dv, Varlen{}, softmax_scale, opts, deterministic);
   return {dq, dk, dv};
 }
 
@@ -430,7 +440,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
     at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
     at::Tensor const& out_in, at::Tensor const& lse, std::optional<at::Tensor> const& dlse_in,
     at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap) {
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool deterministic) {
   TORCH_CHECK(q_in.dim() == 3 && k_in.dim() == 3 && v_in.dim() == 3 && out_in.dim() == 3 && dout_in.dim() == 3,
               "q, k, v, out, dout must have rank 3 (total_tokens, nheads, head_dim) for variable-length attention");
   at::Tensor q = q_in.unsqueeze(0), k = k_in.unsqueeze(0), v = v_in.unsqueeze(0);
@@ -456,7 +467,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
   if (varlen.batch == 0 || q_in.numel() == 0 || k_in.numel() == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
     return {dq, dk, dv};
   }
-  launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, varlen, softmax_scale, opts);
+  launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, varlen, softmax_scale, opts, deterministic);
   return {dq, dk, dv};
 }
 
@@ -465,18 +476,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
 TORCH_LIBRARY(flash_attn_hopper, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right,"
-      " float softcap) -> (Tensor out, Tensor lse)");
+      " float softcap, bool deterministic) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale,"
-      " bool causal, int window_left, int window_right, float softcap) -> (Tensor dq, Tensor dk, Tensor dv)");
+      " bool causal, int window_left, int window_right, float softcap, bool deterministic)"
+      " -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q,"
-      " int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap)"
-      " -> (Tensor out, Tensor lse)");
+      " int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap,"
+      " bool deterministic) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse,"
       " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale,"
-      " bool causal, int window_left, int window_right, float softcap) -> (Tensor dq, Tensor dk, Tensor dv)");
+      " bool causal, int window_left, int window_right, float softcap, bool deterministic)"
+      " -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("build_config() -> str", &build_config);
 }
 

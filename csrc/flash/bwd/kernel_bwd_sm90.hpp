@@ -22,6 +22,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "flash/common/mask.hpp"
+#include "flash/common/semaphore.hpp"
 #include "flash/common/seqlen.hpp"
 #include "flash/config.hpp"
 #include "flash/common/utils.hpp"
@@ -101,6 +102,10 @@ struct BwdTraitsBase {
     int seqlen_q_rounded;                      // workspace rows per (batch, head), or per head when varlen
     int const* cu_seqlens_q;                   // varlen: (batch + 1) row offsets; else null
     int const* cu_seqlens_k;
+    // Deterministic mode (else null): zeroed counters ordering the sums into each dQ tile, per (batch, head, m_block),
+    // and (GQA) into each dK/dV tile, per (batch, K/V head, n_block) (flash/common/semaphore.hpp).
+    int* dq_semaphore;
+    int* dkv_semaphore;
     float softmax_scale;  // α: scales dK here and dQ in the postprocess
     // Forward's score transform (flash/common/softmax.hpp, score_scales): P = exp2(x * score_scale_log2 − LSE_log2)
     // with x = S_raw, or x = tanh(S_raw * softcap_pre) under a softcap.
@@ -307,6 +312,20 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
   pipeline.producer_tail(write_state);
 }
 
+// Deterministic mode: the dQ tile (m_block) of this (sequence, head) takes the sums of the key blocks that see it in
+// increasing n_block order; returns its counter and this CTA's turn.
+template <class Traits>
+CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo const& info, int bidh, int m_block,
+                            int n_block, int& turn) {
+  int n_block_min, n_block_max;
+  Window<Traits::kBlockM, Traits::kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}
+      .n_block_range(m_block, n_block_min, n_block_max);
+  turn = n_block - n_block_min;
+  constexpr int kBlockM = Traits::kBlockM;
+  int const num_m_blocks = cute::ceil_div(params.seqlen_q, kBlockM);
+  return params.dq_semaphore + (int64_t(info.batch_idx) * params.nheads + bidh) * num_m_blocks + m_block;
+}
+
 // Walks an accumulator fragment of a (seqlen, head_dim) tile as pairs of adjacent columns, rows at or past
 // `row_limit` skipped: f(element offset row * row_stride + col, value of col, value of col + 1).
 template <class TensorAcc, class TensorCoord, class F>
@@ -339,7 +358,14 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
     int64_t const row_stride = int64_t(params.nheads_k) * kHeadDim;
     int64_t const offset =
         ((int64_t(info.bidb) * params.seqlen_k + info.offset_k) * params.nheads_k + bidh_kv) * kHeadDim;
-    // float2 atomics: the query heads of a group add into the same rows.
+    // float2 atomics: the query heads of a group add into the same rows; in deterministic mode in head order.
+    int* sem = nullptr;
+    if (params.dkv_semaphore != nullptr) {
+      int const num_n_blocks = cute::ceil_div(params.seqlen_k, kBlockN);
+      sem = params.dkv_semaphore + (int64_t(info.batch_idx) * params.nheads_k + bidh_kv) * num_n_blocks + n_block;
+      if (mma_tidx == 0) { semaphore_wait(sem, bidh - bidh_kv * (params.nheads / params.nheads_k)); }
+      cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1);
+    }
     auto add = [](float* base, float scale) {
       return [=](int64_t idx, float x0, float x1) {
         atomicAdd(reinterpret_cast<float2*>(base + idx), make_float2(x0 * scale, x1 * scale));
@@ -349,6 +375,11 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
                       add(params.dv_accum_ptr + offset, 1.f));
     for_each_row_pair(tdKrdK, tdKVcdKV, row_stride, key_offset, info.seqlen_k,
                       add(params.dk_accum_ptr + offset, params.softmax_scale));
+    if (sem != nullptr) {
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1);
+      if (mma_tidx == 0) { semaphore_release(sem); }
+    }
   } else {
     using Element = typename Traits::Element;
     auto store = [](Element* base, float scale) {
@@ -374,7 +405,7 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
 // the fp32 workspace (TMA reduce-add, one elected lane), then hands the chunk back once TMA has read it.
 template <class Traits>
 CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                  int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
+                                  int n_block, int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
   constexpr int kHeadDim = Traits::kHeadDim;
   Tensor sDQ = make_tensor(make_smem_ptr(ss.smem_dq.data()),
                            make_layout(make_shape(Int<Traits::kDQChunkRows>{}, Int<Traits::kDQChunkCols>{}, _2{}),
@@ -388,16 +419,28 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
   int64_t const chunk_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                      params.seqlen_q_rounded, info.batch_idx, bidh) *
                              kHeadDim / Traits::kDQChunkFloats;
+  bool const deterministic = params.dq_semaphore != nullptr;
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    int* sem = nullptr;
+    int turn = 0;
+    if (deterministic) { sem = dq_turn<Traits>(params, info, bidh, m_block, n_block, turn); }
     CUTLASS_PRAGMA_UNROLL
     for (int wg = 0; wg < 2; ++wg) {
       cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + wg);
       if (leader) {
+        if (deterministic && wg == 0) { semaphore_wait_for_bulk(sem, turn); }
         copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, int(chunk_base + int64_t(m_block) * 2 + wg)));
         tma_store_arrive();
       }
     }
-    if (leader) { tma_store_wait<0>(); }  // both chunks read out of shared memory
+    if (leader) {
+      if (deterministic) {
+        bulk_reductions_complete();  // both chunks added (which also means read out of shared memory)
+        semaphore_release(sem);
+      } else {
+        tma_store_wait<0>();  // both chunks read out of shared memory
+      }
+    }
     __syncwarp();
     if (m_block + 1 < m_block_max) {
       CUTLASS_PRAGMA_UNROLL
@@ -687,6 +730,14 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
       wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), tdVrdV);
       wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
       CUTLASS_PRAGMA_UNROLL
+      // Deterministic mode: this CTA adds into the dQ tile only in its turn (in n_block order).
+      int* dq_sem = nullptr;
+      if (params.dq_semaphore != nullptr) {
+        int turn;
+        dq_sem = dq_turn<Traits>(params, info, bidh, m_block, n_block, turn);
+        if (mma_tidx == 0) { semaphore_wait(dq_sem, turn); }
+        consumers_sync();
+      }
       for (int pass = 0; pass < Traits::kDQPasses; ++pass) {
         // Columns [pass * kDQCols, (pass + 1) * kDQCols) of dQ_tile = dS K.
         Tensor tdQrKt = thr_mma_dq.partition_fragment_B(
@@ -710,6 +761,11 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
             atomicAdd(reinterpret_cast<float2*>(row_ptr + get<1>(cq(r, j))), make_float2(dq(r, j), dq(r, j + 1)));
           }
         }
+      }
+      if (dq_sem != nullptr) {
+        __threadfence();
+        consumers_sync();
+        if (mma_tidx == 0) { semaphore_release(dq_sem); }
       }
     }
   }
@@ -764,7 +820,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     }
     if constexpr (Traits::kSwapSdP) {
       if (warp_idx == 1 && m_block_max > m_block_min) {
-        bwd_dq_writer<Traits>(params, ss, bidh, info, m_block_min, m_block_max);
+        bwd_dq_writer<Traits>(params, ss, n_block, bidh, info, m_block_min, m_block_max);
       }
     }
   } else {

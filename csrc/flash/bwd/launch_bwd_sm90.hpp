@@ -100,6 +100,8 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       p.seqlen_q_rounded,
       p.cu_seqlens_q,
       p.cu_seqlens_k,
+      p.dq_semaphore,
+      p.dkv_semaphore,
       p.softmax_scale,
       scales.score_scale_log2,
       scales.softcap_pre,

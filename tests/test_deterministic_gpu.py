@@ -1,0 +1,91 @@
+"""Deterministic backward (issue 7 item 4) on an sm90 GPU: with ``deterministic=True`` repeated backward passes give
+bitwise-identical dQ, dK, dV (the partial sums of dQ, and of dK/dV across a GQA group, are added in a fixed order),
+at every head dim, with masks, GQA and varlen; the gradients also satisfy the reference rule. Each repetition runs
+with other allocations in between (memory pressure changes the placement of the workspaces). Skipped, with the
+reason, without an sm90 GPU and the built extension."""
+
+import pytest
+import torch
+
+from flash_attn_hopper import attention, attention_varlen
+from flash_attn_hopper.testing import assert_close_by_rule, attention_ref_grads
+from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import randn as _randn
+from gpu_helpers import require_built as _require_built
+
+pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
+
+REPEATS = 20
+
+
+def _repeat_grads(run):
+    """REPEATS backward passes of run() -> (dq, dk, dv), each after a differently sized spacer allocation."""
+    results, spacers = [], []
+    for i in range(REPEATS):
+        spacers.append(torch.empty((i + 1) * 1_000_003, dtype=torch.uint8, device="cuda"))
+        results.append(tuple(g.clone() for g in run()))
+    return results
+
+
+def _assert_identical(results, name):
+    first = results[0]
+    for i, r in enumerate(results[1:], start=1):
+        for gname, a, b in zip(("dq", "dk", "dv"), first, r):
+            assert torch.equal(a, b), f"{name}: {gname} of run {i} differs from run 0 (max {(a - b).abs().max()})"
+
+
+@pytest.mark.parametrize(
+    "head_dim,causal,nheads_k,window",
+    [(64, False, 4, (-1, -1)), (128, True, 4, (-1, -1)), (256, False, 4, (-1, -1)), (128, False, 2, (-1, -1)),
+     (256, True, 1, (-1, -1)), (64, False, 4, (100, 20)), (128, True, 2, (300, 0))],
+    ids=["64", "128-causal", "256", "128-gqa", "256-causal-mqa", "64-window", "128-causal-window-gqa"],
+)
+def test_deterministic_repeats_are_bitwise_equal(head_dim, causal, nheads_k, window):
+    dtype = _built_dtype(head_dim)
+    batch, seqlen_q, seqlen_k, nheads = 2, 1000, 1100, 4
+    q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    v = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = attention(*leaves, causal=causal, window_size=window, deterministic=True)
+
+    def run():
+        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+    results = _repeat_grads(run)
+    _assert_identical(results, f"head_dim {head_dim}")
+    ref = attention_ref_grads(q, k, v, dout, causal=causal, window_size=window)
+    naive = attention_ref_grads(q, k, v, dout, causal=causal, window_size=window, upcast=False)
+    for gname, g, r, n in zip(("dq", "dk", "dv"), results[0], ref, naive):
+        assert_close_by_rule(g, r, n, f"deterministic {gname}")
+
+
+def test_deterministic_varlen():
+    dtype = _built_dtype(128)
+    lengths = [0, 300, 77, 513, 1]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    q = _randn(total, 4, 128, dtype=dtype)
+    k, v = (_randn(total, 2, 128, dtype=dtype) for _ in range(2))
+    dout = _randn(total, 4, 128, dtype=dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = attention_varlen(*leaves, cu, cu, max(lengths), max(lengths), causal=True, deterministic=True)
+    _assert_identical(_repeat_grads(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), "varlen")
+
+
+def test_default_mode_is_the_same_math():
+    """deterministic=True changes the order of the sums only: within the reference rule of the default mode's result."""
+    dtype = _built_dtype(128)
+    _require_built(128, dtype)
+    q, k, v, dout = (_randn(1, 700, 4, 128, dtype=dtype) for _ in range(4))
+    grads = {}
+    for det in (False, True):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = attention(*leaves, causal=True, deterministic=det)
+        grads[det] = torch.autograd.grad(out, leaves, dout)
+    ref = attention_ref_grads(q, k, v, dout, causal=True)
+    naive = attention_ref_grads(q, k, v, dout, causal=True, upcast=False)
+    for det, g in grads.items():
+        for gname, a, r, n in zip(("dq", "dk", "dv"), g, ref, naive):
+            assert_close_by_rule(a, r, n, f"deterministic={det} {gname}")
