@@ -345,7 +345,7 @@ CUTLASS_DEVICE void for_each_row_pair(TensorAcc const& acc, TensorCoord const& c
 
 // Epilogue of both consumers: dV and α·dK for the keys of this block that exist (zeros when no query sees them),
 // written directly (MHA) or added into the group's fp32 sums (GQA/MQA).
-template <class Traits, class TensorAcc>
+template <class Traits, bool kDeterministic, class TensorAcc>
 CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc const& tdVrdV,
                               TensorAcc const& tdKrdK, int mma_tidx, int n_block, int bidh, SeqlenInfo const& info) {
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -360,7 +360,7 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
         ((int64_t(info.bidb) * params.seqlen_k + info.offset_k) * params.nheads_k + bidh_kv) * kHeadDim;
     // float2 atomics: the query heads of a group add into the same rows; in deterministic mode in head order.
     int* sem = nullptr;
-    if (params.dkv_semaphore != nullptr) {
+    if constexpr (kDeterministic) {
       int const num_n_blocks = cute::ceil_div(params.seqlen_k, kBlockN);
       sem = params.dkv_semaphore + (int64_t(info.batch_idx) * params.nheads_k + bidh_kv) * num_n_blocks + n_block;
       if (mma_tidx == 0) { semaphore_wait(sem, bidh - bidh_kv * (params.nheads / params.nheads_k)); }
@@ -375,7 +375,7 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
                       add(params.dv_accum_ptr + offset, 1.f));
     for_each_row_pair(tdKrdK, tdKVcdKV, row_stride, key_offset, info.seqlen_k,
                       add(params.dk_accum_ptr + offset, params.softmax_scale));
-    if (sem != nullptr) {
+    if constexpr (kDeterministic) {
       __threadfence();
       cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1);
       if (mma_tidx == 0) { semaphore_release(sem); }
@@ -403,7 +403,7 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
 
 // dQ writer warp of the kSwapSdP variant: for each Q tile, adds each warpgroup's dQ chunk from shared memory into
 // the fp32 workspace (TMA reduce-add, one elected lane), then hands the chunk back once TMA has read it.
-template <class Traits>
+template <class Traits, bool kDeterministic>
 CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                   int n_block, int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -419,7 +419,7 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
   int64_t const chunk_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                      params.seqlen_q_rounded, info.batch_idx, bidh) *
                              kHeadDim / Traits::kDQChunkFloats;
-  bool const deterministic = params.dq_semaphore != nullptr;
+  constexpr bool deterministic = kDeterministic;
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     int* sem = nullptr;
     int turn = 0;
@@ -456,7 +456,7 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
 //   Sᵀ, dPᵀ (SS) -> Pᵀ = exp2(Sᵀ·scale_log2 − LSE_log2), dSᵀ = Pᵀ ∘ (dPᵀ − D) -> dV += Pᵀ dO (RS, issued first)
 //   -> dS to shared memory, one barrier -> dQ_tile = dS K (SS) and dK += dSᵀ Q (RS) -> dQ_tile to shared memory
 //   for the writer warp while dK runs.
-template <class Traits, bool kSoftcap>
+template <class Traits, bool kSoftcap, bool kDeterministic>
 CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                          typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,
                                          SeqlenInfo const& info, int m_block_min, int m_block_max) {
@@ -598,11 +598,11 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
     }
   }
 
-  store_dkv<Traits>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+  store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
 }
 
 // Consumer perspective (mma_tidx in [0, NumMmaThreads)).
-template <class Traits, bool kSoftcap>
+template <class Traits, bool kSoftcap, bool kDeterministic>
 CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,
                                  SeqlenInfo const& info, int m_block_min, int m_block_max) {
@@ -729,15 +729,15 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
 
       wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), tdVrdV);
       wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
-      CUTLASS_PRAGMA_UNROLL
       // Deterministic mode: this CTA adds into the dQ tile only in its turn (in n_block order).
       int* dq_sem = nullptr;
-      if (params.dq_semaphore != nullptr) {
+      if constexpr (kDeterministic) {
         int turn;
         dq_sem = dq_turn<Traits>(params, info, bidh, m_block, n_block, turn);
         if (mma_tidx == 0) { semaphore_wait(dq_sem, turn); }
         consumers_sync();
       }
+      CUTLASS_PRAGMA_UNROLL
       for (int pass = 0; pass < Traits::kDQPasses; ++pass) {
         // Columns [pass * kDQCols, (pass + 1) * kDQCols) of dQ_tile = dS K.
         Tensor tdQrKt = thr_mma_dq.partition_fragment_B(
@@ -762,7 +762,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
           }
         }
       }
-      if (dq_sem != nullptr) {
+      if constexpr (kDeterministic) {
         __threadfence();
         consumers_sync();
         if (mma_tidx == 0) { semaphore_release(dq_sem); }
@@ -770,10 +770,10 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
     }
   }
 
-  store_dkv<Traits>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+  store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
 }
 
-template <class Traits, bool kSoftcap>
+template <class Traits, bool kSoftcap, bool kDeterministic>
 __global__ void __launch_bounds__(Traits::NumThreads, 1)
     flash_bwd_sm90_kernel(CUTE_GRID_CONSTANT typename Traits::Params const params) {
   using Pipeline = typename Traits::Pipeline;
@@ -820,17 +820,18 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     }
     if constexpr (Traits::kSwapSdP) {
       if (warp_idx == 1 && m_block_max > m_block_min) {
-        bwd_dq_writer<Traits>(params, ss, n_block, bidh, info, m_block_min, m_block_max);
+        bwd_dq_writer<Traits, kDeterministic>(params, ss, n_block, bidh, info, m_block_min, m_block_max);
       }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     if constexpr (Traits::kSwapSdP) {
-      bwd_consumer_swapped<Traits, kSoftcap>(params, ss, pipeline, mma_tidx, n_block, bidh, info, m_block_min,
-                                             m_block_max);
+      bwd_consumer_swapped<Traits, kSoftcap, kDeterministic>(params, ss, pipeline, mma_tidx, n_block, bidh, info,
+                                                             m_block_min, m_block_max);
     } else {
-      bwd_consumer<Traits, kSoftcap>(params, ss, pipeline, mma_tidx, n_block, bidh, info, m_block_min, m_block_max);
+      bwd_consumer<Traits, kSoftcap, kDeterministic>(params, ss, pipeline, mma_tidx, n_block, bidh, info, m_block_min,
+                                                     m_block_max);
     }
   }
 }

@@ -108,15 +108,25 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       window_left,
       window_right,
   };
-  bool const softcap = p.softcap > 0.f;
-  auto kernel = softcap ? flash_bwd_sm90_kernel<Traits, true> : flash_bwd_sm90_kernel<Traits, false>;
-  constexpr int smem_bytes = Traits::kSmemBytes;
-  cudaError_t err = softcap ? set_max_dynamic_smem_once<cute::tuple<Traits, cute::true_type>>(kernel, smem_bytes)
-                            : set_max_dynamic_smem_once<cute::tuple<Traits, cute::false_type>>(kernel, smem_bytes);
-  if (err != cudaSuccess) { return err; }
+  // Softcap and deterministic mode are template arguments: either one's code in the loop (softcap's registers; the
+  // memory fences of deterministic mode, which turn every fire-and-forget dQ reduction into a waited-for atomic)
+  // would slow the plain kernel down.
   dim3 grid(cute::ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
-  kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
-  err = cudaGetLastError();
+  auto launch = [&](auto softcap_c, auto deterministic_c) {
+    constexpr bool kSoftcap = decltype(softcap_c)::value, kDeterministic = decltype(deterministic_c)::value;
+    auto kernel = flash_bwd_sm90_kernel<Traits, kSoftcap, kDeterministic>;
+    constexpr int smem_bytes = Traits::kSmemBytes;
+    cudaError_t err = set_max_dynamic_smem_once<cute::tuple<Traits, decltype(softcap_c), decltype(deterministic_c)>>(
+        kernel, smem_bytes);
+    if (err != cudaSuccess) { return err; }
+    kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
+    return cudaGetLastError();
+  };
+  bool const softcap = p.softcap > 0.f, deterministic = p.dq_semaphore != nullptr;
+  cudaError_t err = softcap ? (deterministic ? launch(cute::true_type{}, cute::true_type{})
+                                             : launch(cute::true_type{}, cute::false_type{}))
+                            : (deterministic ? launch(cute::false_type{}, cute::true_type{})
+                                             : launch(cute::false_type{}, cute::false_type{}));
   if (err != cudaSuccess) { return err; }
 
   if constexpr (Traits::kSwapSdP) {
