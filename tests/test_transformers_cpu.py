@@ -428,18 +428,7 @@ def _same_weights(config):
 def test_model_matches_sdpa_with_reference_kernel(fah_tf, reference_kernel):
     """Logits, loss and every parameter gradient of a two-layer Llama equal SDPA's (float32, CPU)."""
     ours, sdpa = _same_weights(_tiny_config())
-    ids = torch.randint(0, 97, (2, 33))
-    results = []
-    for model in (ours, sdpa):
-        out = model(input_ids=ids, labels=ids, use_cache=False)
-        out.loss.backward()
-        results.append((out.logits, out.loss, {n: p.grad for n, p in model.named_parameters()}))
-    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = results
-    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
-    assert grads_a.keys() == grads_b.keys()
-    for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    _compare_training_step(ours, sdpa, torch.randint(0, 97, (2, 33)))
 
 
 @requires_transformers
@@ -483,6 +472,7 @@ def _gemma2_config(**overrides):
 
 
 def _compare_training_step(ours, other, ids):
+    """One training step of each model on the same batch: logits, loss and every parameter gradient equal."""
     results = []
     for model in (ours, other):
         out = model(input_ids=ids, labels=ids, use_cache=False)
@@ -491,6 +481,7 @@ def _compare_training_step(ours, other, ids):
     (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = results
     torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
