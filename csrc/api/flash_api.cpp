@@ -351,7 +351,7 @@ void launch_bwd(at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor co
   at::Tensor dq_semaphore, dkv_semaphore;
   if (deterministic) {
     auto i32 = q.options().dtype(at::kInt);
-    dq_semaphore = at::zeros({int64_t(batch) * nheads * ((seqlen_q + 63) / 64)}, i32);
+    dq_semaphore = at::zeros({ws_outer * rows / 64}, i32);  // one per 64 workspace rows (flash/bwd dq_turn)
     if (gqa) { dkv_semaphore = at::zeros({int64_t(batch) * nheads_k * ((seqlen_k + 63) / 64)}, i32); }
   }
   at::Tensor dq4 = dq.dim() == 3 ? dq.unsqueeze(0) : dq;

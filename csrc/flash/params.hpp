@@ -94,8 +94,8 @@ struct BwdParams {
   float softmax_scale;  // as FwdParams
   float softcap;
   int window_left, window_right;
-  // Deterministic mode (else null): zeroed int32 counters, one per (batch, head, 64-row query block) for dQ and, with
-  // GQA, one per (batch, K/V head, 64-key block) for dK/dV, ordering the cross-CTA sums.
+  // Deterministic mode (else null): zeroed int32 counters, one per 64 rows of the dQ workspace for dQ and, with GQA,
+  // one per (batch, K/V head, 64-key block) for dK/dV, ordering the cross-CTA sums.
   int* dq_semaphore;
   int* dkv_semaphore;
 };

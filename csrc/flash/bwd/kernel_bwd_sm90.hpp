@@ -321,9 +321,10 @@ CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo co
   Window<Traits::kBlockM, Traits::kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}
       .n_block_range(m_block, n_block_min, n_block_max);
   turn = n_block - n_block_min;
-  constexpr int kBlockM = Traits::kBlockM;
-  int const num_m_blocks = cute::ceil_div(params.seqlen_q, kBlockM);
-  return params.dq_semaphore + (int64_t(info.batch_idx) * params.nheads + bidh) * num_m_blocks + m_block;
+  // One counter per kBlockM rows of the dQ workspace (in bounds wherever the workspace is, whatever max_seqlen says).
+  int64_t const row = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+                                                               params.seqlen_q_rounded, info.batch_idx, bidh);
+  return params.dq_semaphore + row / Traits::kBlockM + m_block;
 }
 
 // Walks an accumulator fragment of a (seqlen, head_dim) tile as pairs of adjacent columns, rows at or past

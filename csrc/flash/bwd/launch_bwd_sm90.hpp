@@ -26,8 +26,11 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>>;
   if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
   bool const gqa = p.nheads_k != p.nheads;
+  // Deterministic mode needs the dQ counters, and with GQA the dK/dV ones too.
+  bool const half_deterministic = (p.dq_semaphore != nullptr) && gqa && (p.dkv_semaphore == nullptr);
   if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || gqa != (p.dk_accum_ptr != nullptr) ||
-      gqa != (p.dv_accum_ptr != nullptr)) {
+      gqa != (p.dv_accum_ptr != nullptr) || half_deterministic ||
+      (p.dq_semaphore == nullptr && p.dkv_semaphore != nullptr)) {
     return cudaErrorInvalidValue;
   }
   // The workspaces' rows: whole tiles of every kBlockM (bulk copies of LSE/D, dQ chunks, postprocess grid); varlen
