@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flash_attn_hopper import interface
-from flash_attn_hopper.testing import attention_ref
+from flash_attn_hopper.testing import attention_ref, attention_varlen_ref
 
 try:
     importlib.import_module("transformers")
@@ -99,7 +99,15 @@ def reference_kernel(monkeypatch, allow_float32):
                                softcap=softcap)
         return out.to(q.dtype)
 
+    def ref_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, return_lse=False):
+        assert q.dim() == 3 and cu_q.dtype == torch.int32 and max(cu_q.diff().tolist(), default=0) <= max_q
+        out, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=window_size, softcap=softcap)
+        return out.to(q.dtype)
+
     monkeypatch.setattr(interface, "attention", ref_attention)
+    monkeypatch.setattr(interface, "attention_varlen", ref_attention_varlen)
 
 
 def _module(is_causal=True):
@@ -226,10 +234,8 @@ def test_gqa_passed_to_the_kernel_unrepeated(fah_tf, spy):
     [
         (dict(s_aux=torch.zeros(4)), "s_aux"),
         (dict(position_bias=torch.zeros(1, 4, 8, 8)), "position_bias"),
-        (dict(cu_seq_lens_q=torch.tensor([0, 8, 16])), "cu_seq_lens_q.*variable-length"),
-        (dict(max_length_k=8), "max_length_k.*variable-length"),
     ],
-    ids=["s_aux", "position_bias", "cu_seq_lens_q", "max_length_k"],
+    ids=["s_aux", "position_bias"],
 )
 def test_unsupported_features_rejected(fah_tf, spy, kwargs, pattern):
     q, k, v = _qkv()
@@ -348,12 +354,58 @@ def test_model_all_ones_mask_is_dropped(fah_tf, spy, allow_float32):
 
 
 @requires_transformers
-def test_model_packed_position_ids_raise(fah_tf, spy, allow_float32):
+def test_model_packed_rows_raise(fah_tf, spy, allow_float32):
+    """Packed sequences in a batch of two rows: not representable (the varlen path takes one row)."""
     model = _model(_tiny_config(), NAME)
-    ids = torch.randint(0, 97, (1, 16))
-    position_ids = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0)  # two packed sequences
+    ids = torch.randint(0, 97, (2, 16))
+    position_ids = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0).expand(2, -1)
     with pytest.raises(ValueError, match="packed sequences"):
         model(input_ids=ids, position_ids=position_ids, use_cache=False)
+    assert not spy.calls
+
+
+@requires_transformers
+@pytest.mark.parametrize("how", ["position_ids", "position_ids_with_cache", "flash_kwargs"])
+def test_model_packed_sequences_match_sdpa_with_reference_kernel(fah_tf, reference_kernel, how):
+    """One row of three packed sequences (10, 13 and 10 tokens), as DataCollatorWithFlattening gives them: logits,
+    loss and gradients equal SDPA's on the same packed input (transformers builds SDPA a block-diagonal mask from the
+    position ids), so each sequence attends only to itself. With a DynamicCache transformers does not look for packing;
+    the integration finds it in position_ids. With the collator's flash-attention keyword arguments, those are used."""
+    lengths = [10, 13, 10]
+    ids = torch.randint(0, 97, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    ours, sdpa = _same_weights(_tiny_config())
+    extra = {}
+    if how == "flash_kwargs":
+        cu = torch.tensor([0, 10, 23, 33], dtype=torch.int32)
+        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=13, max_length_k=13)
+    use_cache = how == "position_ids_with_cache"
+    results = []
+    for model, kwargs in ((ours, extra), (sdpa, {})):
+        out = model(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=use_cache if model is ours else False,
+                    **kwargs)
+        out.loss.backward()
+        results.append((out.logits, {n: p.grad for n, p in model.named_parameters()}))
+    (logits_a, grads_a), (logits_b, grads_b) = results
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-5)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # the packing matters: one unpacked causal sequence gives other logits
+    with torch.no_grad():
+        plain = sdpa(input_ids=ids, use_cache=False).logits
+    assert not torch.allclose(plain, logits_a.detach(), atol=1e-3)
+
+
+@requires_transformers
+def test_partial_or_batched_flash_kwargs_raise(fah_tf, spy):
+    q, k, v = _qkv(batch=1)
+    with pytest.raises(ValueError, match="but not cu_seq_lens_k, max_length_q, max_length_k"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 8]))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = _qkv(batch=2)
+    with pytest.raises(ValueError, match="one row of packed sequences, got batch 2"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                                   max_length_q=5, max_length_k=5)
     assert not spy.calls
 
 

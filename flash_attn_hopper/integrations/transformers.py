@@ -20,12 +20,16 @@ Usage::
 
 What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, sliding windows
 (``config.sliding_window``, e.g. Mistral, Gemma 2's local layers), attention logit soft-capping (Gemma 2's
-``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim 64/128/256, no padding (attention_mask None or all ones), a
-DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in transformers' flash-attention path).
+``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim 64/128/256, no
+padding (attention_mask None or all ones), packed sequences in one row (DataCollatorWithFlattening: from position_ids
+or its flash-attention keyword arguments, run by ``attention_varlen``), a DynamicCache (prefill and decoding: the
+causal mask is aligned bottom-right, as in transformers' flash-attention path).
 Everything else raises a Python exception, naming what is unsupported, before any kernel runs.
 
 Tested with transformers 5.17.0. This module imports transformers; ``import flash_attn_hopper`` does not.
 """
+
+import weakref
 
 import torch
 
@@ -95,20 +99,26 @@ def flash_attn_hopper_attention_forward(
             The causal mask is aligned bottom-right (query row i sees key j iff j <= i + seqlen_k - seqlen_q), which
             is what decoding with a DynamicCache needs (a single query row sees every cached key) and matches
             transformers' flash-attention path; SDPA's ``is_causal`` is aligned top-left.
-        sliding_window, softcap, and in ``kwargs`` ``s_aux``, ``position_bias``, ``cu_seq_lens_q/k``,
-            ``max_length_q/k``: must be None (not supported yet). ``output_attentions=True`` is ignored with a warning
-            (no attention weights are formed). Other keyword arguments (``position_ids``, ``use_cache``, ...) are
-            ignored.
+        sliding_window: transformers' window W (a query sees itself and the W - 1 keys before it): window_size
+            (W - 1, 0), or (W - 1, W - 1) when not causal. softcap: attention logit soft-capping (Gemma 2).
+        kwargs: ``cu_seq_lens_q/k`` and ``max_length_q/k`` (all four, as DataCollatorWithFlattening's
+            ``return_flash_attn_kwargs=True`` gives them, batch 1): the packed sequences run through
+            ``flash_attn_hopper.attention_varlen``. Otherwise ``position_ids`` of a single row that restart (packed
+            sequences, as DataCollatorWithFlattening gives them) are turned into cu_seqlens the same way (one device
+            read per position_ids tensor, shared by the layers; not while torch.compile traces). ``s_aux`` and
+            ``position_bias`` must be None. ``output_attentions=True`` is ignored with a warning (no attention weights
+            are formed). Other keyword arguments (``use_cache``, ...) are ignored.
 
     Returns:
         ``(attn_output, None)``: ``attn_output`` of shape ``(batch, seqlen_q, nheads, head_dim)`` in the compute dtype
         (q's dtype, or the autocast dtype), differentiable with respect to query, key and value.
 
     Raises:
-        ValueError: ``attention_mask`` is not None (padding masks belong to the variable-length path, not available
-            yet); ``dropout`` is not 0; and, from ``flash_attn_hopper.attention``, bad shapes, head_dim not
-            64/128/256, tensors not on an sm90 CUDA device.
-        NotImplementedError: attention sinks (``s_aux``), a position bias, or variable-length (padding-free) keyword arguments.
+        ValueError: ``attention_mask`` is not None (padded batches are not routed to the variable-length path yet);
+            ``dropout`` is not 0; packed sequences in a batch of more than one row, or against a cache; a partial
+            set of ``cu_seq_lens_*`` / ``max_length_*``; and, from ``flash_attn_hopper.attention``, bad shapes,
+            head_dim not 64/128/256, tensors not on an sm90 CUDA device.
+        NotImplementedError: attention sinks (``s_aux``), a position bias.
         TypeError: a dtype other than float16/bfloat16 outside autocast (for example a float32 model: load it with
             ``dtype=torch.bfloat16`` or run it under ``torch.autocast("cuda", dtype=torch.bfloat16)``).
         RuntimeError: the compiled extension is not available.
@@ -137,13 +147,7 @@ def flash_attn_hopper_attention_forward(
             raise NotImplementedError(
                 f"{_where(module)}: {name} is not supported by flash_attn_hopper yet (got {name} != None)"
             )
-    for name in _VARLEN_KWARGS:
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"{_where(module)}: got {name}; variable-length (padding-free, packed) batches are not supported by "
-                "flash_attn_hopper yet"
-            )
-    _check_not_packed(module, kwargs.get("position_ids"))
+    packed = _packed_sequences(module, query, key, kwargs)
     if kwargs.get("output_attentions", False):
         transformers.utils.logging.get_logger(__name__).warning_once(
             "flash_attn_hopper attention does not form attention weights; `output_attentions=True` returns None "
@@ -171,36 +175,87 @@ def flash_attn_hopper_attention_forward(
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"{_where(module)}: sliding_window must be an int >= 1, got {sliding_window!r}")
         window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    options = dict(softmax_scale=scaling, causal=causal, window_size=window_size, softcap=0.0 if softcap is None else softcap)
     # (batch, nheads, seqlen, head_dim) -> (batch, seqlen, nheads, head_dim): a view; the kernel reads these strides.
-    attn_output = _interface.attention(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        softmax_scale=scaling,
-        causal=causal,
-        window_size=window_size,
-        softcap=0.0 if softcap is None else softcap,
-    )
-    return attn_output, None
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if packed is not None:  # one row of packed sequences: (total, nheads, head_dim) views of it
+        cu_q, cu_k, max_q, max_k = packed
+        attn_output = _interface.attention_varlen(query[0], key[0], value[0], cu_q, cu_k, max_q, max_k, **options)
+        return attn_output.unsqueeze(0), None
+    return _interface.attention(query, key, value, **options), None
 
 
-def _check_not_packed(module, position_ids):
-    """ValueError when position_ids restart inside a row (several sequences packed into one): the kernel would let
-    each sequence attend to the ones before it. transformers detects packing itself only without a cache and without
-    an attention_mask (then the mask function below raises); this catches the other cases (a DynamicCache, as a model
-    call with labels makes by default, or an all-ones mask). It reads a device value, so it runs once per forward
-    (layer 0) and not while torch.compile traces."""
+def _packed_sequences(module, query, key, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) when the batch is one row of packed sequences, else
+    None. From transformers' flash-attention keyword arguments when given; otherwise from position_ids that restart
+    inside the row (without this the kernel would let each packed sequence attend to the ones before it). Packing in a
+    batch of several rows, or against cached keys, raises ValueError."""
+    given = {name: kwargs.get(name) for name in _VARLEN_KWARGS}
+    if any(v is not None for v in given.values()):
+        missing = [name for name, v in given.items() if v is None]
+        if missing:
+            raise ValueError(f"{_where(module)}: got some of {', '.join(_VARLEN_KWARGS)} but not {', '.join(missing)}")
+        if query.shape[0] != 1:
+            raise ValueError(f"{_where(module)}: cu_seq_lens_* describe one row of packed sequences, got batch {query.shape[0]}")
+        max_q, max_k = (int(v) for v in (given["max_length_q"], given["max_length_k"]))
+        cu_q, cu_k = (t.to(device=query.device, dtype=torch.int32) for t in (given["cu_seq_lens_q"], given["cu_seq_lens_k"]))
+        return cu_q, cu_k, max_q, max_k
+    position_ids = kwargs.get("position_ids")
     if position_ids is None or position_ids.shape[-1] < 2 or torch.compiler.is_compiling():
-        return
-    if getattr(module, "layer_idx", 0) not in (0, None):
-        return
-    if bool((position_ids[..., 1:] - position_ids[..., :-1] != 1).any()):
+        return None
+    starts = _restarts(position_ids)
+    if starts is None:
+        return None
+    if not starts or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         raise ValueError(
-            f"{_where(module)}: position_ids restart inside a row, i.e. packed sequences; flash_attn_hopper attention "
-            "would let each packed sequence attend to the ones before it. Pass one sequence per row (pad and drop "
-            "the padding, or use attn_implementation='sdpa' with a packed-sequence mask); padding-free packing needs "
-            "the variable-length path, which is not available yet."
+            f"{_where(module)}: position_ids restart inside a row, i.e. packed sequences, in a batch of "
+            f"{query.shape[0]} rows or against {key.shape[2] - query.shape[2]} cached positions; flash_attn_hopper runs "
+            "packed sequences as one row without a cache (as DataCollatorWithFlattening gives them). Pass one row, one "
+            "sequence per row, or use attn_implementation='sdpa' with a packed-sequence mask."
         )
+    return starts
+
+
+# position_ids tensors already examined: id -> (weak reference, version, result of _restarts). The layers of one
+# forward pass the same tensor, so the device is read once per forward.
+_PACKING = {}
+
+
+def _restarts(position_ids):
+    """None if every row of position_ids counts up by one; else for a single row (cu_seqlens int32 on its device,
+    cu_seqlens again, longest, longest), sequences starting where the count restarts; () for several rows."""
+    cached = _PACKING.get(id(position_ids))
+    if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
+        return cached[2]
+    restart = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    result = None
+    if bool(restart.any()):  # one device read
+        result = ()  # packed, but in several rows: the caller raises
+        if position_ids.shape[0] == 1:
+            starts = torch.cat([restart.new_ones(1), restart[0]]).nonzero().flatten().tolist()
+            bounds = starts + [position_ids.shape[-1]]
+            cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
+            longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+            result = (cu, cu, longest, longest)
+    if not position_ids.is_inference():
+        key = id(position_ids)
+        ref = weakref.ref(position_ids, lambda _, key=key: _PACKING.pop(key, None))
+        _PACKING[key] = (ref, position_ids._version, result)
+    return result
+
+
+def _without_packed_overlay(mask_function):
+    """transformers (checked: 5.17) composes ``and_masks(pattern, packed_sequence_mask_function(...))`` when it finds
+    packed sequences in position_ids; returns ``pattern`` for that composition, else ``mask_function`` unchanged."""
+    if getattr(mask_function, "__name__", "") != "and_mask" or not getattr(mask_function, "__closure__", None):
+        return mask_function
+    parts = [c.cell_contents for c in mask_function.__closure__ if isinstance(c.cell_contents, tuple)]
+    if len(parts) != 1 or len(parts[0]) != 2:
+        return mask_function
+    pattern, overlay = parts[0]
+    if getattr(overlay, "__qualname__", "") != "packed_sequence_mask_function.<locals>.inner_mask":
+        return mask_function
+    return pattern
 
 
 def _is_sliding_causal(mask_function, window):
@@ -238,21 +293,27 @@ def flash_attn_hopper_mask(
     transformers composes a packed-sequence mask with every mask while tracing, the second because it needs a host
     value):
 
+    Packed sequences that transformers detects from position_ids (its ``packed_sequence_mask_function`` overlay) are
+    accepted on top of those patterns: the attention function runs them through the variable-length kernel.
+
     Raises:
-        ValueError: the mask pattern is not plain causal, bidirectional or sliding-window causal (packed sequences
-            detected from position_ids, a chunked pattern, a custom ``or/and_mask_function``); or, without an
+        ValueError: the mask pattern is not plain causal, bidirectional or sliding-window causal (a chunked pattern,
+            a custom ``or/and_mask_function``); or, without an
             attention_mask, the key/value length is not ``q_offset + q_length - kv_offset`` (a StaticCache with empty
             slots, which would be attended).
     """
     if not torch.compiler.is_compiling():
+        # Packed sequences detected by transformers: the attention function runs them through the varlen kernel
+        # (from position_ids), so only the pattern under the packing overlay must be one the kernel computes.
+        mask_function = _without_packed_overlay(mask_function)
         local_size = kwargs.get("local_size")
         sliding = local_size is not None and _is_sliding_causal(mask_function, local_size)
         if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function and not sliding:
             raise ValueError(
                 "flash_attn_hopper attention supports plain causal, bidirectional and sliding-window causal masks "
                 f"only; this model call needs the mask pattern {getattr(mask_function, '__name__', mask_function)!r}: "
-                "a chunked pattern, packed sequences in position_ids, or a custom mask function. For packed sequences "
-                "pass position_ids that count up without restarting; otherwise use attn_implementation='sdpa'."
+                "a chunked pattern or a custom mask function (packed sequences and sliding windows are fine); use "
+                "attn_implementation='sdpa' for this model."
             )
         if (mask_function is causal_mask_function or sliding) and attention_mask is None:
             filled = int(q_offset) + q_length - int(kv_offset)
