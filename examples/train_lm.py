@@ -141,7 +141,7 @@ def make_config(args):
         intermediate_size=args.intermediate,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,  # flash_attn_hopper needs nheads_k == nheads for now
+        num_key_value_heads=args.heads,  # multi-head attention, as the published comparison tables use
         max_position_embeddings=args.seqlen,
         attention_dropout=0.0,
         tie_word_embeddings=False,

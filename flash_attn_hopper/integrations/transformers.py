@@ -105,7 +105,9 @@ def flash_attn_hopper_attention_forward(
             ``return_flash_attn_kwargs=True`` gives them, batch 1): the packed sequences run through
             ``flash_attn_hopper.attention_varlen``. Otherwise ``position_ids`` of a single row that restart (packed
             sequences, as DataCollatorWithFlattening gives them) are turned into cu_seqlens the same way (one device
-            read per position_ids tensor, shared by the layers; not while torch.compile traces). ``s_aux`` and
+            read per position_ids tensor, shared by the layers). Not while torch.compile traces: there packed
+            sequences go undetected unless the flash-attention keyword arguments are passed
+            (``return_flash_attn_kwargs=True``), and each sequence would attend to the ones before it. ``s_aux`` and
             ``position_bias`` must be None. ``output_attentions=True`` is ignored with a warning (no attention weights
             are formed). Other keyword arguments (``use_cache``, ...) are ignored.
 
@@ -207,11 +209,12 @@ def _packed_sequences(module, query, key, kwargs):
     if starts is None:
         return None
     if not starts or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        where = (f"in a batch of {query.shape[0]} rows" if not starts or query.shape[0] != 1
+                 else f"against {key.shape[2] - query.shape[2]} cached positions")
         raise ValueError(
-            f"{_where(module)}: position_ids restart inside a row, i.e. packed sequences, in a batch of "
-            f"{query.shape[0]} rows or against {key.shape[2] - query.shape[2]} cached positions; flash_attn_hopper runs "
-            "packed sequences as one row without a cache (as DataCollatorWithFlattening gives them). Pass one row, one "
-            "sequence per row, or use attn_implementation='sdpa' with a packed-sequence mask."
+            f"{_where(module)}: position_ids restart inside a row, i.e. packed sequences, {where}; flash_attn_hopper "
+            "runs packed sequences as one row without a cache (as DataCollatorWithFlattening gives them). Pass one "
+            "row, one sequence per row, or use attn_implementation='sdpa' with a packed-sequence mask."
         )
     return starts
 
