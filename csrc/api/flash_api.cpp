@@ -217,11 +217,11 @@ Varlen check_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& 
 }
 
 // Forward of checked (batch, rows, nheads, head_dim) views into out (same layout, 3-D for varlen) and lse.
-void launch_fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in, at::Tensor const& out,
-                at::Tensor const& lse, Varlen const& varlen, double softmax_scale, ScoreOptions const& opts) {
+void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
+                at::Tensor const& out, at::Tensor const& lse, Varlen const& varlen, double softmax_scale,
+                ScoreOptions const& opts) {
   bool const is_varlen = varlen.cu_seqlens_q != nullptr;
   int const head_dim = q_in.size(3);
-  auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
   at::Tensor o = out.dim() == 3 ? out.unsqueeze(0) : out;
 
@@ -265,7 +265,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
   int const seqlen_k = k_in.size(1);
-  require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
+  FwdFn const run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
@@ -276,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
     lse.fill_(-INFINITY);
     return {out, lse};
   }
-  launch_fwd(q_in, k_in, v_in, out, lse, Varlen{}, softmax_scale, opts);
+  launch_fwd(run, q_in, k_in, v_in, out, lse, Varlen{}, softmax_scale, opts);
   return {out, lse};
 }
 
@@ -293,7 +293,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q_in, at::Tensor
   check_attention_inputs(q, k, v, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
   Varlen const varlen = check_varlen(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  require_kernel(select_kernels(q.size(3), q.scalar_type()).fwd, q.size(3), q.scalar_type());
+  FwdFn const run = require_kernel(select_kernels(q.size(3), q.scalar_type()).fwd, q.size(3), q.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
@@ -303,7 +303,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q_in, at::Tensor
   if (varlen.batch == 0 || out.numel() == 0 || k_in.size(0) == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
     return {out, lse};
   }
-  launch_fwd(q, k, v, out, lse, varlen, softmax_scale, opts);
+  launch_fwd(run, q, k, v, out, lse, varlen, softmax_scale, opts);
   return {out, lse};
 }
 
@@ -317,13 +317,12 @@ at::Tensor contiguous_dlse(std::optional<at::Tensor> const& dlse_in, at::Tensor 
 
 // Backward of checked (batch, rows, nheads, head_dim) views (batch 1 and packed rows when varlen) into dq, dk, dv
 // (allocated by the caller, in the layout of q, k, v).
-void launch_bwd(at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
-                at::Tensor const& out_in, at::Tensor const& lse, at::Tensor const& dlse, at::Tensor const& dq,
+void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in,
+                at::Tensor const& v_in, at::Tensor const& out_in, at::Tensor const& lse, at::Tensor const& dlse, at::Tensor const& dq,
                 at::Tensor const& dk, at::Tensor const& dv, Varlen const& varlen, double softmax_scale,
                 ScoreOptions const& opts, bool deterministic) {
   bool const is_varlen = varlen.cu_seqlens_q != nullptr;
   int const nheads = q_in.size(2), head_dim = q_in.size(3), nheads_k = k_in.size(2);
-  auto* run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
   at::Tensor out = tma_ready(out_in), dout = tma_ready(dout_in);
 
@@ -420,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
                   lse.size(2) == seqlen_q,
               "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
   at::Tensor dlse = contiguous_dlse(dlse_in, lse, q_in);
-  require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
+  BwdFn const run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
@@ -431,7 +430,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   at::Tensor dq = at::empty(q_in.sizes(), q_in.options());
   at::Tensor dk = at::empty(k_in.sizes(), k_in.options());
   at::Tensor dv = at::empty(v_in.sizes(), v_in.options());
-  launch_bwd(dout_in, q_in, k_in, v_in, out_in, lse, dlse, dq, dk, dv, Varlen{}, softmax_scale, opts, deterministic);
+  launch_bwd(run, dout_in, q_in, k_in, v_in, out_in, lse, dlse, dq, dk, dv, Varlen{}, softmax_scale, opts, deterministic);
   return {dq, dk, dv};
 }
 
@@ -456,7 +455,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
                   lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == q_in.size(1) && lse.size(1) == q_in.size(0),
               "lse must be the contiguous float32 (nheads, total_q) tensor of the forward");
   at::Tensor dlse = contiguous_dlse(dlse_in, lse, q_in);
-  require_kernel(select_kernels(q.size(3), q.scalar_type()).bwd, q.size(3), q.scalar_type());
+  BwdFn const run = require_kernel(select_kernels(q.size(3), q.scalar_type()).bwd, q.size(3), q.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
@@ -467,7 +466,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
   if (varlen.batch == 0 || q_in.numel() == 0 || k_in.numel() == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
     return {dq, dk, dv};
   }
-  launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, varlen, softmax_scale, opts, deterministic);
+  launch_bwd(run, dout, q, k, v, out, lse, dlse, dq, dk, dv, varlen, softmax_scale, opts, deterministic);
   return {dq, dk, dv};
 }
 
