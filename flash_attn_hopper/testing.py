@@ -8,9 +8,7 @@ import torch
 
 def causal_mask(seqlen_q, seqlen_k, device=None):
     """Boolean (seqlen_q, seqlen_k), True where query i may see key j: j <= i + seqlen_k - seqlen_q (bottom-right)."""
-    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
-    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
-    return j <= i + (seqlen_k - seqlen_q)
+    return local_mask(seqlen_q, seqlen_k, causal=True, device=device)
 
 
 def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=None):
