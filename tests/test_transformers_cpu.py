@@ -434,6 +434,60 @@ def test_model_counting_position_ids_pass_with_cache(fah_tf, spy, allow_float32)
 
 
 @requires_transformers
+def test_register_wraps_the_packing_finder_once(fah_tf):
+    from transformers import masking_utils
+
+    fah_tf.register()
+    fah_tf.register()
+    wrapped = masking_utils.find_packed_sequence_indices
+    assert wrapped._flash_attn_hopper_wrapper
+    assert not getattr(wrapped.__wrapped__, "_flash_attn_hopper_wrapper", False)
+    packed = torch.cat([torch.arange(3), torch.arange(2)]).unsqueeze(0)
+    assert torch.equal(wrapped(packed), wrapped.__wrapped__(packed))
+    assert wrapped(torch.arange(5).unsqueeze(0)) is None
+
+
+@requires_transformers
+@pytest.mark.parametrize("how", ["generated", "given_one_row", "given_two_rows"])
+def test_model_counting_position_ids_are_read_once_per_forward(fah_tf, spy, allow_float32, monkeypatch, how):
+    """transformers' mask builder reads the position ids from the device once per forward to look for packing; when it
+    finds none, the attention layers must not read them again (an extra host synchronization per step in a training
+    loop). Counted: Tensor.any, which the integration's own check would call."""
+    spy.fail = False
+    model = _model(_tiny_config(), NAME)
+    ids = torch.randint(0, 97, (2, 16))
+    kwargs = {}
+    if how == "given_one_row":
+        kwargs["position_ids"] = torch.arange(16).unsqueeze(0)
+    elif how == "given_two_rows":
+        kwargs["position_ids"] = torch.arange(16).unsqueeze(0).repeat(2, 1)
+    calls = []
+    original_any = torch.Tensor.any
+
+    def counting_any(self, *args, **kw):
+        calls.append(self.shape)
+        return original_any(self, *args, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "any", counting_any)
+    model(input_ids=ids, use_cache=False, **kwargs)
+    assert len(spy.calls) == 2  # both layers reached the kernel
+    assert calls == []
+
+
+@requires_transformers
+def test_position_ids_written_after_the_mask_check_are_read_again(fah_tf):
+    """The note left by the mask builder holds only while the tensor is unchanged (version counter)."""
+    from transformers import masking_utils
+
+    position_ids = torch.arange(8).unsqueeze(0)
+    assert masking_utils.find_packed_sequence_indices(position_ids.expand(2, -1)) is None
+    assert fah_tf._restarts(position_ids) is None
+    position_ids[0, 4:] = torch.arange(4)  # now two packed sequences of 4
+    cu, _, longest, _ = fah_tf._restarts(position_ids)
+    assert cu.tolist() == [0, 4, 8] and longest == 4
+
+
+@requires_transformers
 def test_model_static_cache_raises(fah_tf, spy, allow_float32):
     from transformers import StaticCache
 

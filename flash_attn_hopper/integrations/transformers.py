@@ -35,7 +35,7 @@ import torch
 
 try:
     import transformers
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, masking_utils
     from transformers.masking_utils import (
         AttentionMaskInterface,
         bidirectional_mask_function,
@@ -104,8 +104,9 @@ def flash_attn_hopper_attention_forward(
         kwargs: ``cu_seq_lens_q/k`` and ``max_length_q/k`` (all four, as DataCollatorWithFlattening's
             ``return_flash_attn_kwargs=True`` gives them, batch 1): the packed sequences run through
             ``flash_attn_hopper.attention_varlen``. Otherwise ``position_ids`` of a single row that restart (packed
-            sequences, as DataCollatorWithFlattening gives them) are turned into cu_seqlens the same way (one device
-            read per position_ids tensor, shared by the layers). Not while torch.compile traces: there packed
+            sequences, as DataCollatorWithFlattening gives them) are turned into cu_seqlens the same way (no device
+            read when transformers' mask builder found them counting up by one in this forward; else one per
+            position_ids tensor, shared by the layers). Not while torch.compile traces: there packed
             sequences go undetected unless the flash-attention keyword arguments are passed
             (``return_flash_attn_kwargs=True``), and each sequence would attend to the ones before it. ``s_aux`` and
             ``position_bias`` must be None. ``output_attentions=True`` is ignored with a warning (no attention weights
@@ -224,12 +225,32 @@ def _packed_sequences(module, query, key, kwargs):
 _PACKING = {}
 
 
+# Rows of memory that transformers' mask builder found counting up by one: id(base tensor) -> (weak reference, base's
+# version, {(storage offset, length, stride)}). Position ids that are views of one such row need no device read.
+_COUNTING_ROWS = {}
+
+
+def _row_signature(position_ids):
+    """(base tensor, (storage offset, length, stride)) when every row of position_ids is the same row of memory (one
+    row, or rows expanded from one with stride 0), else None."""
+    if position_ids.dim() < 1 or any(n != 1 and st != 0 for n, st in zip(position_ids.shape[:-1], position_ids.stride()[:-1])):
+        return None
+    base = position_ids._base if position_ids._base is not None else position_ids
+    return base, (position_ids.storage_offset(), position_ids.shape[-1], position_ids.stride(-1))
+
+
 def _restarts(position_ids):
     """None if every row of position_ids counts up by one; else for a single row (cu_seqlens int32 on its device,
     cu_seqlens again, longest, longest), sequences starting where the count restarts; () for several rows."""
     cached = _PACKING.get(id(position_ids))
     if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
         return cached[2]
+    signature = _row_signature(position_ids)
+    if signature is not None:
+        base, row = signature
+        entry = _COUNTING_ROWS.get(id(base))
+        if entry is not None and entry[0]() is base and entry[1] == base._version and row in entry[2]:
+            return None  # transformers' mask builder has read these values in this forward
     restart = position_ids[..., 1:] != position_ids[..., :-1] + 1
     result = None
     if bool(restart.any()):  # one device read
@@ -241,10 +262,46 @@ def _restarts(position_ids):
             longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
             result = (cu, cu, longest, longest)
     if not position_ids.is_inference():
-        key = id(position_ids)
-        ref = weakref.ref(position_ids, lambda _, key=key: _PACKING.pop(key, None))
-        _PACKING[key] = (ref, position_ids._version, result)
+        _remember(position_ids, result)
     return result
+
+
+def _remember(position_ids, result):
+    """Caches the _restarts result of a (non-inference) position_ids tensor until it is freed or written to."""
+    key = id(position_ids)
+    ref = weakref.ref(position_ids, lambda _, key=key: _PACKING.pop(key, None))
+    _PACKING[key] = (ref, position_ids._version, result)
+
+
+def _note_find_packed_sequence_indices(find):
+    """Wraps transformers' ``masking_utils.find_packed_sequence_indices``, which the model's mask builder calls once per
+    forward on its position_ids (when there is no attention_mask and no cache) and which reads the device to return
+    None when every row counts up by one. Each None is recorded for that position_ids tensor (and the tensor it views:
+    the builder may pass an expanded view), so ``_restarts`` in the layers needs no second device read: an extra host
+    synchronization in every forward stalls an eager training loop that the GPU would otherwise run ahead of."""
+    if getattr(find, "_flash_attn_hopper_wrapper", False):
+        return find
+
+    def wrapper(position_ids, *args, **kwargs):
+        result = find(position_ids, *args, **kwargs)
+        if (result is None and isinstance(position_ids, torch.Tensor) and not position_ids.is_inference()
+                and not torch.compiler.is_compiling()):
+            _remember(position_ids, None)
+            signature = _row_signature(position_ids)
+            if signature is not None:  # the builder checked an expanded view of the layers' (1, seqlen) tensor
+                base, row = signature
+                entry = _COUNTING_ROWS.get(id(base))
+                if entry is None or entry[0]() is not base or entry[1] != base._version:
+                    key = id(base)
+                    ref = weakref.ref(base, lambda _, key=key: _COUNTING_ROWS.pop(key, None))
+                    entry = _COUNTING_ROWS[key] = (ref, base._version, set())
+                entry[2].add(row)
+        return result
+
+    wrapper._flash_attn_hopper_wrapper = True
+    wrapper.__wrapped__ = find
+    wrapper.__doc__ = find.__doc__
+    return wrapper
 
 
 def _without_packed_overlay(mask_function):
@@ -369,13 +426,19 @@ def register():
     After it, ``attn_implementation="flash_attn_hopper"`` is accepted by ``from_pretrained``, ``from_config`` and
     ``set_attn_implementation`` of every model that dispatches through ``AttentionInterface`` (Llama, Mistral, Qwen2,
     ...). Registration is global to the process (transformers' class-level mappings). Call it again before building a
-    model if the process has built a flash_attention_2/3 model since (see ``_skip_flash_kernel_lookup``).
+    model if the process has built a flash_attention_2/3 model since (see ``_skip_flash_kernel_lookup``). It also wraps
+    ``transformers.masking_utils.find_packed_sequence_indices`` (same results; it notes which position ids it found
+    counting up by one, so the attention layers do not read them from the device a second time per forward).
 
     Returns:
         the name, ``"flash_attn_hopper"``.
     """
     AttentionInterface.register(ATTN_IMPLEMENTATION, flash_attn_hopper_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attn_hopper_mask)
+    if hasattr(masking_utils, "find_packed_sequence_indices"):
+        masking_utils.find_packed_sequence_indices = _note_find_packed_sequence_indices(
+            masking_utils.find_packed_sequence_indices
+        )
     _skip_flash_kernel_lookup()
     return ATTN_IMPLEMENTATION
 
