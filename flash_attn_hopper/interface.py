@@ -242,19 +242,15 @@ def attention(
     deterministic = _check_bool("deterministic", deterministic)
     _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
     _ops.require_extension()
-    args = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
-    if torch.compiler.is_compiling():
-        # The registered op: fake kernels and autograd live with it (flash_attn_hopper/_ops.py and
-        # csrc/api/flash_api.cpp), so torch.compile traces this call as one node. The host queries below are
-        # left out of the graph; the op repeats both checks at run time.
-        out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, *args)
-    else:
+    if not torch.compiler.is_compiling():
+        # Host queries, left out of a torch.compile graph (the op repeats both checks at run time).
         _check_sm90("q", q.device)
         _check_compiled(q.shape[-1], q.dtype)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _ops.AttentionFunction.apply(q, k, v, *args)  # cheaper per call than the op's wrapper
-        else:
-            out, lse = torch.ops.flash_attn_hopper.fwd(q, k, v, *args)
+    # The registered op (its autograd formula is in C++, its fake kernel in _ops.py): one graph node under
+    # torch.compile, and in eager mode no Python between the forward and the backward kernels.
+    out, lse = torch.ops.flash_attn_hopper.fwd.default(
+        q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic
+    )
     return (out, lse) if return_lse else out
 
 
@@ -396,7 +392,7 @@ def attention_varlen(
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
             softcap, deterministic)
     if torch.compiler.is_compiling():
-        out, lse = torch.ops.flash_attn_hopper.fwd_varlen(q, k, v, *args)
+        out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
     _check_sm90("q", q.device)
     _check_compiled(q.shape[-1], q.dtype)
@@ -416,10 +412,7 @@ def attention_varlen(
     tail_q = q.shape[0] - last_q
     if tail_q or last_k < k.shape[0]:
         q, k, v = q[:last_q], k[:last_k], v[:last_k]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _ops.AttentionVarlenFunction.apply(q, k, v, *args)
-    else:
-        out, lse = torch.ops.flash_attn_hopper.fwd_varlen(q, k, v, *args)
+    out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
     if tail_q:  # those rows: output 0, LSE -inf (and zero gradients through the padding)
         out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tail_q))
         lse = torch.nn.functional.pad(lse, (0, tail_q), value=float("-inf"))

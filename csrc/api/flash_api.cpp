@@ -12,12 +12,14 @@
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "flash/config.hpp"
@@ -164,12 +166,15 @@ int cached_device_attribute(std::atomic<int> (&cache)[kMaxDevices], cudaDeviceAt
 }
 
 void check_sm90(at::Tensor const& q) {
-  int major = 0, minor = 0;
+  static std::atomic<bool> passed[kMaxDevices] = {};  // the answer does not change: ask the driver once
   int const dev = q.device().index();
+  if (dev >= 0 && dev < kMaxDevices && passed[dev].load(std::memory_order_relaxed)) { return; }
+  int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   TORCH_CHECK(major == 9 && minor == 0, "flash_attn_hopper needs an sm90 GPU (H100/H200); ", q.device(),
               " has compute capability ", major, ".", minor);
+  if (dev >= 0 && dev < kMaxDevices) { passed[dev].store(true, std::memory_order_relaxed); }
 }
 
 int num_sms(at::Tensor const& q) {
@@ -189,6 +194,17 @@ at::Tensor tma_ready(at::Tensor const& t) {
   at::Tensor c = t.contiguous();
   // contiguous() returns the tensor itself when only a size-1 dim's stride or the alignment was off.
   return c.data_ptr() == t.data_ptr() ? t.clone(at::MemoryFormat::Contiguous) : c;
+}
+
+// A zero-filled workspace by one cudaMemsetAsync on the current stream: cheaper on the host than at::zeros (no
+// operator dispatch, no fill kernel launch), which matters for the small buffers of every call.
+at::Tensor zeroed(at::IntArrayRef sizes, at::TensorOptions const& options) {
+  at::Tensor t = at::empty(sizes, options);
+  if (t.numel() > 0) {
+    C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.nbytes(),
+                                   c10::cuda::getCurrentCUDAStream(t.device().index()).stream()));
+  }
+  return t;
 }
 
 // Variable-length batches: the (batch + 1) int32 offsets on q's device, and the rows they cover (values are checked
@@ -249,7 +265,7 @@ void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::T
   p.pingpong = fwd_pingpong();
   at::Tensor tile_counter;
   if (fwd_persistent()) {
-    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    tile_counter = zeroed({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
     p.num_sms = num_sms(q);
   }
@@ -336,22 +352,22 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   TORCH_CHECK(rows <= INT32_MAX, "too many query rows for the backward's workspace");
   int64_t const ws_outer = is_varlen ? int64_t(nheads) : int64_t(batch) * nheads;
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dq_accum = at::zeros({ws_outer, rows, head_dim}, f32);
+  at::Tensor dq_accum = zeroed({ws_outer, rows, head_dim}, f32);
   at::Tensor lse_log2 = at::empty({ws_outer, rows}, f32);
   at::Tensor dpsum = at::empty({ws_outer, rows}, f32);
   // GQA/MQA: the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
   bool const gqa = nheads_k != nheads;
   at::Tensor dk_accum, dv_accum;
   if (gqa) {
-    dk_accum = at::zeros(k.sizes(), f32);
-    dv_accum = at::zeros(v.sizes(), f32);
+    dk_accum = zeroed(k.sizes(), f32);
+    dv_accum = zeroed(v.sizes(), f32);
   }
   // Deterministic mode: counters sized for the smallest tile (64 rows or keys) of any head_dim's configuration.
   at::Tensor dq_semaphore, dkv_semaphore;
   if (deterministic) {
     auto i32 = q.options().dtype(at::kInt);
-    dq_semaphore = at::zeros({ws_outer * rows / 64}, i32);  // one per 64 workspace rows (flash/bwd dq_turn)
-    if (gqa) { dkv_semaphore = at::zeros({int64_t(batch) * nheads_k * ((seqlen_k + 63) / 64)}, i32); }
+    dq_semaphore = zeroed({ws_outer * rows / 64}, i32);  // one per 64 workspace rows (flash/bwd dq_turn)
+    if (gqa) { dkv_semaphore = zeroed({int64_t(batch) * nheads_k * ((seqlen_k + 63) / 64)}, i32); }
   }
   at::Tensor dq4 = dq.dim() == 3 ? dq.unsqueeze(0) : dq;
   at::Tensor dk4 = dk.dim() == 3 ? dk.unsqueeze(0) : dk;
@@ -470,6 +486,142 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
   return {dq, dk, dv};
 }
 
+// ------------------------------------------------------------------------------------------------------ autograd
+// The autograd formulas of fwd and fwd_varlen, in C++ so that an eager training step pays no Python on the way in or
+// out of the backward (the Python layer only checks arguments). Saved: q, k, v, out, lse (+ cu_seqlens); the backward
+// is the FlashAttention-3 backward op (paper §2.1), which recomputes P from lse. lse is differentiable: its gradient
+// enters the backward op as dlse (dS gains P ∘ dLSE). Both ops are called through the dispatcher, so torch.compile's
+// fake tensors reach the fake kernels registered in Python.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using FwdOpSig = std::tuple<at::Tensor, at::Tensor>(at::Tensor const&, at::Tensor const&, at::Tensor const&, double,
+                                                    bool, int64_t, int64_t, double, bool);
+using BwdOpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::Tensor const&, at::Tensor const&,
+                                                                at::Tensor const&, at::Tensor const&,
+                                                                at::Tensor const&, at::Tensor const&,
+                                                                std::optional<at::Tensor> const&, double, bool,
+                                                                int64_t, int64_t, double, bool);
+using FwdVarlenOpSig = std::tuple<at::Tensor, at::Tensor>(at::Tensor const&, at::Tensor const&, at::Tensor const&,
+                                                          at::Tensor const&, at::Tensor const&, int64_t, int64_t,
+                                                          double, bool, int64_t, int64_t, double, bool);
+using BwdVarlenOpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    at::Tensor const&, at::Tensor const&, at::Tensor const&, at::Tensor const&, at::Tensor const&, at::Tensor const&,
+    std::optional<at::Tensor> const&, at::Tensor const&, at::Tensor const&, int64_t, int64_t, double, bool, int64_t,
+    int64_t, double, bool);
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> const& op_handle(char const* name) {
+  static auto const handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+  return handle;
+}
+
+// The scalar arguments every op takes after its tensors, kept in the autograd context.
+struct ScoreArgs {
+  double softmax_scale;
+  bool causal;
+  int64_t window_left, window_right;
+  double softcap;
+  bool deterministic;
+
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["softmax_scale"] = softmax_scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["deterministic"] = deterministic;
+  }
+  static ScoreArgs load(AutogradContext* ctx) {
+    auto& d = ctx->saved_data;
+    return {d["softmax_scale"].toDouble(), d["causal"].toBool(),     d["window_left"].toInt(),
+            d["window_right"].toInt(),     d["softcap"].toDouble(), d["deterministic"].toBool()};
+  }
+};
+
+// dout undefined: the loss uses only lse. dlse undefined: the loss uses only out.
+std::pair<at::Tensor, std::optional<at::Tensor>> output_grads(variable_list const& grads, at::Tensor const& out) {
+  at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+  std::optional<at::Tensor> dlse;
+  if (grads[1].defined()) { dlse = grads[1]; }
+  return {dout, dlse};
+}
+
+struct AttentionAutograd : public torch::autograd::Function<AttentionAutograd> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                               double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                               double softcap, bool deterministic) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] = op_handle<FwdOpSig>("flash_attn_hopper::fwd")
+                          .call(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ScoreArgs{softmax_scale, causal, window_left, window_right, softcap, deterministic}.save(ctx);
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto const saved = ctx->get_saved_variables();
+    auto const [dout, dlse] = output_grads(grads, saved[3]);
+    ScoreArgs const a = ScoreArgs::load(ctx);
+    auto [dq, dk, dv] = op_handle<BwdOpSig>("flash_attn_hopper::bwd")
+                            .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dlse, a.softmax_scale,
+                                  a.causal, a.window_left, a.window_right, a.softcap, a.deterministic);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct AttentionVarlenAutograd : public torch::autograd::Function<AttentionVarlenAutograd> {
+  static variable_list forward(AutogradContext* ctx, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                               at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
+                               int64_t window_right, double softcap, bool deterministic) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] = op_handle<FwdVarlenOpSig>("flash_attn_hopper::fwd_varlen")
+                          .call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                causal, window_left, window_right, softcap, deterministic);
+    ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k});
+    ScoreArgs{softmax_scale, causal, window_left, window_right, softcap, deterministic}.save(ctx);
+    ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+    ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto const saved = ctx->get_saved_variables();
+    auto const [dout, dlse] = output_grads(grads, saved[3]);
+    ScoreArgs const a = ScoreArgs::load(ctx);
+    auto [dq, dk, dv] = op_handle<BwdVarlenOpSig>("flash_attn_hopper::bwd_varlen")
+                            .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dlse, saved[5], saved[6],
+                                  ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
+                                  a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
+                                  a.deterministic);
+    variable_list grads_in(13);  // one per forward argument; only q, k, v are differentiable
+    grads_in[0] = dq, grads_in[1] = dk, grads_in[2] = dv;
+    return grads_in;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> fwd_autograd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                                double softmax_scale, bool causal, int64_t window_left,
+                                                int64_t window_right, double softcap, bool deterministic) {
+  auto outs = AttentionAutograd::apply(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                       deterministic);
+  return {outs[0], outs[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_varlen_autograd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
+                                                       at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
+                                                       int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                                       double softmax_scale, bool causal, int64_t window_left,
+                                                       int64_t window_right, double softcap, bool deterministic) {
+  auto outs = AttentionVarlenAutograd::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             softmax_scale, causal, window_left, window_right, softcap, deterministic);
+  return {outs[0], outs[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flash_attn_hopper, m) {
@@ -497,4 +649,9 @@ TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) {
   m.impl("fwd_varlen", &fwd_varlen);
   m.impl("bwd_varlen", &bwd_varlen);
   m.impl("bwd", &bwd);
+}
+
+TORCH_LIBRARY_IMPL(flash_attn_hopper, Autograd, m) {
+  m.impl("fwd", &fwd_autograd);
+  m.impl("fwd_varlen", &fwd_varlen_autograd);
 }
