@@ -16,8 +16,10 @@ bf16 weights (``--precision bf16``).
 Prints a progress line every ``--log-every`` steps (step, loss, learning rate, tokens/s over the interval) and ends
 with a markdown table per backend: the loss of step 1, the final train loss (mean of the last 20 steps), the
 validation loss (``--eval-batches`` fixed windows of the held-out files), tokens/s (training steps only, the first
-``--timing-skip`` steps left out as warm-up), and peak GPU memory. ``--json PATH`` writes all of it, every step's loss
-included, with the versions and settings.
+``--timing-skip`` steps left out as warm-up), and peak GPU memory. ``--repeats N`` trains each backend N times, the
+order reversed every other round, and reports the mean tokens/s (min-max beside it): a single run's tokens/s moves by a
+few percent with the GPU's state, and on the H200 the backend that ran first was faster in either order. ``--json
+PATH`` writes all of it, every step's loss included, with the versions and settings.
 
 Run from the repository root with flash_attn_hopper installed; with an in-place build (``python setup.py build_ext
 --inplace``, as scripts/gpu_check.sh does) put the checkout on the path: ``PYTHONPATH=. python examples/train_lm.py``.
@@ -280,6 +282,21 @@ def run_backend(backend, args, device, train, val, train_offsets, val_offsets):
     return result
 
 
+def combine_runs(runs):
+    """One backend's result over its repeats: the first run's losses (the repeats start from the same weights and
+    batches; only the order of dQ's atomic adds may differ), tokens/s as the mean with min and max, the largest peak
+    memory, and every run's tokens/s and val loss."""
+    result = dict(runs[0])
+    rates = [r["tokens_per_s"] for r in runs if r["tokens_per_s"] is not None]
+    if rates:
+        result["tokens_per_s"] = sum(rates) / len(rates)
+        result["tokens_per_s_min"], result["tokens_per_s_max"] = min(rates), max(rates)
+    peaks = [r["peak_memory_gib"] for r in runs if r["peak_memory_gib"] is not None]
+    result["peak_memory_gib"] = max(peaks) if peaks else None
+    result["repeats"] = [{"tokens_per_s": r["tokens_per_s"], "val_loss": r["val_loss"]} for r in runs]
+    return result
+
+
 def markdown_table(results):
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
     lines = [
@@ -288,9 +305,12 @@ def markdown_table(results):
         "|---|---|---|---|---|---|",
     ]
     for r in results:
+        rate = fmt(r["tokens_per_s"], ",.0f")
+        if len(r.get("repeats", ())) > 1 and "tokens_per_s_min" in r:
+            rate += f" ({len(r['repeats'])} runs: {r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
         lines.append(
             f"| {r['backend']} | {r['first_loss']:.4f} | {r['final_train_loss']:.4f} | {r['val_loss']:.4f} "
-            f"| {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['peak_memory_gib'], '.2f')} |"
+            f"| {rate} | {fmt(r['peak_memory_gib'], '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -321,6 +341,10 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="flash_attn_hopper,sdpa",
                    help="comma-separated attn_implementation names, run in this order (flash_attn_hopper, sdpa, "
                    "eager, ...)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="train each backend this many times, the order reversed every other round (A B, B A, A B, "
+                   "...), so that a drift of the GPU's speed over the run (clocks, temperature) falls on both alike; "
+                   "tokens/s is the mean over the repeats, min-max beside it")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seqlen", type=int, default=2048)
@@ -354,8 +378,8 @@ def parse_args(argv=None):
         p.error("--backends is empty")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
-    if args.steps < 1 or args.batch_size < 1 or args.seqlen < 2 or args.eval_batches < 1:
-        p.error("--steps, --batch-size, --eval-batches must be >= 1 and --seqlen >= 2")
+    if args.steps < 1 or args.batch_size < 1 or args.seqlen < 2 or args.eval_batches < 1 or args.repeats < 1:
+        p.error("--steps, --batch-size, --eval-batches, --repeats must be >= 1 and --seqlen >= 2")
     args.timing_skip = min(args.timing_skip, args.steps - 1)
     args.warmup = max(1, args.warmup)
     return args
@@ -387,7 +411,13 @@ def main(argv=None):
     print(f"training {args.steps} steps x {args.batch_size} x {args.seqlen} = {tokens_total / 1e6:.1f} M tokens per "
           f"backend; validation {len(val_offsets)} windows; backends {', '.join(args.backends)}", flush=True)
 
-    results = [run_backend(b, args, device, train, val, train_offsets, val_offsets) for b in args.backends]
+    runs = {b: [] for b in args.backends}
+    for r in range(args.repeats):
+        for b in (args.backends if r % 2 == 0 else args.backends[::-1]):
+            if args.repeats > 1:
+                print(f"\n-- round {r + 1}/{args.repeats}", flush=True)
+            runs[b].append(run_backend(b, args, device, train, val, train_offsets, val_offsets))
+    results = [combine_runs(runs[b]) for b in args.backends]
 
     table = markdown_table(results)
     print("\n" + table)

@@ -30,6 +30,7 @@ def main():
     fah_tf.register()
     ids = torch.randint(0, train_lm.VOCAB_SIZE, (args.batch_size, args.seqlen + 1), device=device)
     inputs, targets = ids[:, :-1], ids[:, 1:]
+    per_kernel = {}
     for backend in args.backends:
         model = train_lm.build_model(args, backend, device)
         model.train()
@@ -62,8 +63,16 @@ def main():
               f"attention kernels {attn_total:.2f} ms/step")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
             print(f"  {e.self_device_time_total / steps / 1e3:7.3f} ms  x{e.count // steps:<4d} {e.key[:110]}")
+        per_kernel[backend] = {e.key: (e.self_device_time_total / steps / 1e3, e.count // steps) for e in events}
         del model, optimizer
         torch.cuda.empty_cache()
+    if len(per_kernel) == 2:
+        # Kernels whose time per step differs most between the two backends: where the step's difference comes from.
+        (a, ka), (b, kb) = per_kernel.items()
+        diffs = [(ka.get(k, (0.0, 0))[0] - kb.get(k, (0.0, 0))[0], k) for k in set(ka) | set(kb)]
+        print(f"\n== per kernel, {a} minus {b} (ms/step; counts per step)")
+        for d, k in sorted(diffs, key=lambda x: -abs(x[0]))[:16]:
+            print(f"  {d:+7.3f} ms  x{ka.get(k, (0, 0))[1]:<3d}/x{kb.get(k, (0, 0))[1]:<3d} {k[:100]}")
 
 
 if __name__ == "__main__":
