@@ -185,3 +185,69 @@ def test_varlen_workspace_regions_disjoint_and_aligned(lengths):
         regions.sort()
         for (a0, a1), (b0, b1) in zip(regions, regions[1:]):
             assert a1 <= b0, regions
+
+
+def simulate_deterministic_dq(w, sms, decreasing=True):
+    """Lockstep model of the backward's deterministic dQ order (flash/bwd dq_turn and the kernel's launch order): CTAs
+    launch in blockIdx order into `sms` slots (key block N-1-i for launch i when `decreasing`, else i); each walks its
+    query blocks upwards and adds into tile m only when the tile's counter equals its turn (key blocks in decreasing
+    order: n_max(m) - 1 - n; else increasing: n - n_min(m)). Returns the steps a CTA spent waiting in total, or None
+    on a deadlock (no resident CTA can move and none can launch)."""
+    n_blocks, m_blocks = ceil_div(w.sk, w.bn), ceil_div(w.sq, w.bm)
+    order = list(range(n_blocks - 1, -1, -1)) if decreasing else list(range(n_blocks))
+    counter = [0] * m_blocks
+    todo = {n: list(range(*w.m_block_range(n))) for n in order}
+
+    def turn(m, n):
+        lo, hi = w.n_block_range(m)
+        assert lo <= n < hi, (m, n, lo, hi)  # both sides agree on which tiles exist
+        return hi - 1 - n if decreasing else n - lo
+
+    resident, launched, waits = [], 0, 0
+    while launched < len(order) or resident:
+        while len(resident) < sms and launched < len(order):
+            resident.append(order[launched])
+            launched += 1
+        moved = False
+        for n in list(resident):
+            if not todo[n]:
+                resident.remove(n)
+                moved = True
+                continue
+            m = todo[n][0]
+            if counter[m] == turn(m, n):
+                counter[m] += 1
+                todo[n].pop(0)
+                moved = True
+            else:
+                waits += 1
+        if not moved:
+            return None
+    for m in range(m_blocks):
+        assert counter[m] == len(range(*w.n_block_range(m)))
+    return waits
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 128), (128, 128), (128, 64), (64, 64)])
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k,window,causal",
+    [(1024, 1024, (-1, -1), True), (1000, 1300, (-1, -1), True), (1300, 1000, (-1, -1), True),
+     (2048, 2048, (300, 0), False), (2048, 2048, (200, 200), False), (1024, 1024, (-1, -1), False)],
+)
+def test_deterministic_dq_order_is_deadlock_free_and_lets_causal_run_without_waits(block_m, block_n, seqlen_q,
+                                                                                    seqlen_k, window, causal):
+    """With key blocks launched last-first and adding in decreasing n_block order, a CTA only waits for CTAs launched
+    before it, so even 1 or 2 SMs finish (no deadlock); with every CTA resident, causal and sliding-window masks make no
+    CTA wait at all (the one nearest the diagonal goes first at every tile), where the increasing order made CTA n
+    wait n steps."""
+    left, right = window
+    if causal:
+        right = 0
+    w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(left, right, seqlen_q, seqlen_k))
+    for sms in (1, 2, 5):
+        assert simulate_deterministic_dq(w, sms) is not None, sms
+    unlimited = ceil_div(seqlen_k, block_n)
+    waits = simulate_deterministic_dq(w, unlimited)
+    if causal or window[0] >= 0:
+        assert waits == 0
+        assert simulate_deterministic_dq(w, unlimited, decreasing=False) > 0  # what the old order cost

@@ -313,14 +313,17 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
 }
 
 // Deterministic mode: the dQ tile (m_block) of this (sequence, head) takes the sums of the key blocks that see it in
-// increasing n_block order; returns its counter and this CTA's turn.
+// decreasing n_block order; returns its counter and this CTA's turn. Each CTA walks its query blocks upwards from
+// the one nearest the diagonal, where (causal or windowed) it is the highest key block and so goes first: no CTA
+// waits for one that reaches the tile later. The kernel launches key blocks in reverse order in this mode, so a CTA
+// only ever waits for CTAs launched before it (no deadlock when a head has more key blocks than SMs).
 template <class Traits>
 CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo const& info, int bidh, int m_block,
                             int n_block, int& turn) {
   int n_block_min, n_block_max;
   Window<Traits::kBlockM, Traits::kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}
       .n_block_range(m_block, n_block_min, n_block_max);
-  turn = n_block - n_block_min;
+  turn = n_block_max - 1 - n_block;
   // One counter per kBlockM rows of the dQ workspace (in bounds wherever the workspace is, whatever max_seqlen says).
   int64_t const row = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                params.seqlen_q_rounded, info.batch_idx, bidh);
@@ -784,8 +787,9 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   int const warp_idx = cutlass::canonical_warp_idx_sync();
   int const warp_group_idx = cutlass::canonical_warp_group_idx();
   bool const lane_predicate = cute::elect_one_sync();
-  // Causal: the first key blocks are seen by the most query blocks; start them first.
-  int const n_block = blockIdx.x;
+  // Causal: the first key blocks are seen by the most query blocks; start them first. Deterministic mode: the last
+  // first (see dq_turn).
+  int const n_block = kDeterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   int const bidh = blockIdx.y;
   SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k, blockIdx.z);
   // Varlen: the grid covers the longest sequence's key blocks; a block past this sequence's keys has nothing to do.
