@@ -9,12 +9,23 @@ import torch
 from . import _ops
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# Tile widths of the compiled kernels. Any head_dim that is a multiple of 8 up to 256 runs on the smallest of them that
+# holds it (kernel_head_dim); the padded columns are zeros on load and never stored.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+_HEAD_DIM_MULTIPLE = 8  # 16-byte rows (fp16/bf16), what TMA needs
 _MAX_GRID_YZ = 65535  # batch and nheads index grid dimensions y and z
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
 _MAX_SEQLEN = 2**30  # the kernels' index sums stay in int32 below this
+
+
+def kernel_head_dim(head_dim):
+    """The compiled kernel size that runs ``head_dim`` (the smallest of SUPPORTED_HEAD_DIMS >= head_dim), or None
+    when no kernel does (head_dim not a multiple of 8 in [8, 256])."""
+    if head_dim <= 0 or head_dim % _HEAD_DIM_MULTIPLE != 0:
+        return None
+    return next((d for d in SUPPORTED_HEAD_DIMS if head_dim <= d), None)
 
 
 def _check_tensor_args(q, k, v):
@@ -55,8 +66,11 @@ def _check_tensor_args(q, k, v):
     for name, t in (("q", q), ("k", k)):
         if t.shape[1] >= _MAX_SEQLEN:
             raise ValueError(f"{name} has {t.shape[1]} rows (seqlen or total tokens); at most {_MAX_SEQLEN - 1} are supported")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q has head_dim {head_dim}; supported head_dim values are {list(SUPPORTED_HEAD_DIMS)}")
+    if kernel_head_dim(head_dim) is None:
+        raise ValueError(
+            f"q has head_dim {head_dim}; supported head_dim values are the multiples of {_HEAD_DIM_MULTIPLE} from "
+            f"{_HEAD_DIM_MULTIPLE} to {SUPPORTED_HEAD_DIMS[-1]}"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(
@@ -109,10 +123,12 @@ def _check_scale(softmax_scale, head_dim):
 
 def _check_compiled(head_dim, dtype):
     head_dims, dtypes = _ops._compiled()
-    if head_dim not in head_dims:
+    kernel = kernel_head_dim(head_dim)
+    if kernel not in head_dims:
+        ran_by = "" if kernel == head_dim else f" (run by the head_dim {kernel} kernels)"
         raise ValueError(
-            f"q has head_dim {head_dim}, which this build does not include (built with head_dims {list(head_dims)}; "
-            "rebuild without FAH_HDIMS to get all)"
+            f"q has head_dim {head_dim}{ran_by}, which this build does not include (built with head_dims "
+            f"{list(head_dims)}; rebuild without FAH_HDIMS to get all)"
         )
     if dtype not in dtypes:
         raise TypeError(f"q has dtype {dtype}, which this build does not include (built with {list(dtypes)})")
@@ -188,8 +204,10 @@ def attention(
             grouped-query / multi-query attention when smaller, query head h reading K/V head
             ``h // (nheads // nheads_k)``; dK and dV sum over the query heads of a group inside the kernel (fp32).
         v: ``(batch, seqlen_k, nheads_k, head_dim)``, same dtype and device as q.
-            head_dim is 64, 128 or 256; seqlen_q, seqlen_k >= 0 and may differ. Only the last dimension must
-            be contiguous (stride 1); other strides are read in place (q, k, v may be slices of one packed
+            head_dim is any multiple of 8 from 8 to 256 (it runs on the 64, 128 or 256 kernels, the smallest that
+            holds it: the extra columns are zeros that are never read from or written to the tensors, so the result
+            is exactly that of the true head_dim); seqlen_q, seqlen_k >= 0 and may differ. Only the last dimension
+            must be contiguous (stride 1); other strides are read in place (q, k, v may be slices of one packed
             tensor) when they are multiples of 16 bytes and the base is 16-byte aligned, otherwise the tensor
             is copied first.
         softmax_scale: multiplier of Q Kᵀ before the softmax (unitless); default ``1 / sqrt(head_dim)``.
@@ -219,8 +237,8 @@ def attention(
             pair of ints.
         ValueError: rank is not 4; batch or head_dim differ between q, k, v; k and v differ in nheads_k, or
             nheads is not a multiple of nheads_k; seqlen_k differs between
-            k and v; batch or nheads above 65535; head_dim is not 64/128/256 (or not in this build); the last
-            dimension's stride is not 1;
+            k and v; batch or nheads above 65535; head_dim is not a multiple of 8 in [8, 256] (or its kernel size,
+            64/128/256, is not in this build); the last dimension's stride is not 1;
             a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;
             softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right
             side > 0; softcap is negative or not finite, or softmax_scale / softcap is not a normal float32.
@@ -334,7 +352,8 @@ def attention_varlen(
 
     Args:
         q: ``(total_q, nheads, head_dim)``, torch.float16 or torch.bfloat16, on an sm90 CUDA device.
-        k, v: ``(total_k, nheads_k, head_dim)``, same dtype and device; nheads_k divides nheads (GQA/MQA).
+        k, v: ``(total_k, nheads_k, head_dim)``, same dtype and device; nheads_k divides nheads (GQA/MQA). head_dim
+            is any multiple of 8 from 8 to 256, as for ``attention``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on q's device, non-decreasing row offsets (usually starting
             at 0); zero-length sequences are allowed on either side. Rows past ``cu_seqlens_q[-1]`` (or ``[-1]`` of k)
             belong to no sequence.

@@ -5,14 +5,16 @@ import pytest
 import torch
 
 import flash_attn_hopper
+from flash_attn_hopper.interface import kernel_head_dim
 
 DTYPES = [torch.float16, torch.bfloat16]
 
 
 def require_built(head_dim, dtype):
-    """Skip unless this build compiles (head_dim, dtype)."""
+    """Skip unless this build compiles (head_dim, dtype); a head_dim between the kernel sizes needs the kernel that
+    runs it (interface.kernel_head_dim)."""
     cfg = flash_attn_hopper.build_config()
-    if head_dim not in cfg["head_dims"] or dtype not in cfg["dtypes"]:
+    if kernel_head_dim(head_dim) not in cfg["head_dims"] or dtype not in cfg["dtypes"]:
         pytest.skip(f"head_dim {head_dim} / {dtype} not in this build (FAH_HDIMS/FAH_DTYPES)")
 
 
@@ -20,7 +22,7 @@ def built_dtype(head_dim):
     """A dtype this build compiles for head_dim (fp16 preferred), else skip."""
     cfg = flash_attn_hopper.build_config()
     for dtype in DTYPES:
-        if head_dim in cfg["head_dims"] and dtype in cfg["dtypes"]:
+        if kernel_head_dim(head_dim) in cfg["head_dims"] and dtype in cfg["dtypes"]:
             return dtype
     pytest.skip(f"head_dim {head_dim} not in this build (FAH_HDIMS/FAH_DTYPES)")
 

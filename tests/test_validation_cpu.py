@@ -150,12 +150,46 @@ def test_head_dim_mismatch(name):
         attention(q, k, v)
 
 
-@pytest.mark.parametrize("head_dim", [8, 32, 96, 100, 192, 512])
+@pytest.mark.parametrize("head_dim", [0, 1, 4, 12, 20, 100, 130, 255, 260, 264, 512])
 def test_unsupported_head_dim(head_dim):
+    """head_dim must be a multiple of 8 in [8, 256]: anything else raises before any launch, naming head_dim and the
+    rule (also from attention_varlen, and with every other argument valid)."""
     q, k, v = _qkv(head_dim=head_dim)
     with pytest.raises(ValueError, match=rf"^q has head_dim {head_dim}; supported head_dim values are") as info:
         attention(q, k, v)
-    assert "[64, 128, 256]" in str(info.value)
+    assert "multiples of 8 from 8 to 256" in str(info.value)
+    q, k, v, cu_q, cu_k = _varlen_args(head_dim=head_dim)
+    with pytest.raises(ValueError, match=rf"^q has head_dim {head_dim}; supported head_dim values are"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 40, 64, 72, 96, 104, 128, 136, 192, 200, 248, 256])
+def test_head_dims_multiple_of_8_pass_the_checks(head_dim):
+    """Every multiple of 8 up to 256 passes the shape checks (the call then fails only on the device, CPU here)."""
+    q, k, v = _qkv(head_dim=head_dim)
+    interface._check_tensor_args(q, k, v)
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'.*CUDA"):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "head_dim,kernel",
+    [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128), (136, 256), (200, 256), (256, 256)]
+    + [(bad, None) for bad in (0, -8, 4, 12, 260, 264)],
+)
+def test_kernel_head_dim_rounds_up(head_dim, kernel):
+    assert interface.kernel_head_dim(head_dim) == kernel
+
+
+def test_kernel_head_dim_covers_every_multiple_of_8():
+    for head_dim in range(8, 257, 8):
+        kernel = interface.kernel_head_dim(head_dim)
+        assert kernel in interface.SUPPORTED_HEAD_DIMS and head_dim <= kernel
+        assert all(d < head_dim for d in interface.SUPPORTED_HEAD_DIMS if d < kernel)  # the smallest that holds it
+
+
+def test_default_softmax_scale_is_of_the_true_head_dim():
+    assert interface._check_scale(None, 40) == 1.0 / math.sqrt(40)
 
 
 # ----------------------------------------------------------------------------------------------------- strides
@@ -390,6 +424,20 @@ def test_check_compiled_names_head_dim_and_dtype(monkeypatch):
     assert interface._check_compiled(128, torch.float16) is None
 
 
+def test_check_compiled_uses_the_rounded_head_dim(monkeypatch):
+    """A head_dim that runs on a larger kernel is in the build when that kernel size is; the error names both."""
+    monkeypatch.setattr(_ops, "_compiled", lambda: ((128,), (torch.float16,)))
+    for head_dim in (72, 96, 120, 128):
+        assert interface._check_compiled(head_dim, torch.float16) is None
+    for head_dim, kernel in ((40, 64), (8, 64), (136, 256), (248, 256)):
+        with pytest.raises(
+            ValueError,
+            match=rf"^q has head_dim {head_dim} \(run by the head_dim {kernel} kernels\), which this build does not include",
+        ) as info:
+            interface._check_compiled(head_dim, torch.float16)
+        assert "[128]" in str(info.value)
+
+
 @pytest.mark.skipif(flash_attn_hopper.EXTENSION_LOADED, reason="the extension is loaded here")
 def test_missing_extension_raises_runtime_error(monkeypatch):
     # Pretend the device checks pass, so the call gets as far as the extension.
@@ -446,10 +494,10 @@ def test_batch_or_nheads_beyond_grid_limit(what, dim):
 # ------------------------------------------------------------------------------------------------- attention_varlen
 
 
-def _varlen_args(total_q=30, total_k=30):
-    q = torch.randn(total_q, H, D).half()
-    k = torch.randn(total_k, H, D).half()
-    v = torch.randn(total_k, H, D).half()
+def _varlen_args(total_q=30, total_k=30, head_dim=D):
+    q = torch.randn(total_q, H, head_dim).half()
+    k = torch.randn(total_k, H, head_dim).half()
+    v = torch.randn(total_k, H, head_dim).half()
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
     return q, k, v, cu, cu.clone()
 

@@ -36,10 +36,18 @@ struct Kernels {
   BwdFn bwd = nullptr;
 };
 
+// The compiled tile width that runs a head_dim: the smallest of 64, 128, 256 that holds it (head_dim a multiple of 8
+// in [8, 256]; the kernels zero-fill the columns past it on load and never store them). 0: no kernel can.
+int padded_head_dim(int64_t head_dim) {
+  if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) { return 0; }
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+}
+
 Kernels select_kernels(int head_dim, at::ScalarType dtype) {
   bool const bf16 = dtype == at::kBFloat16;
+  int const padded = padded_head_dim(head_dim);
 #define FAH_CASE(HDIM, NAME, IS_BF16)                                                                       \
-  if (head_dim == HDIM && bf16 == IS_BF16) {                                                                \
+  if (padded == HDIM && bf16 == IS_BF16) {                                                                  \
     return Kernels{&flash::run_fwd_hdim##HDIM##_##NAME, &flash::run_bwd_hdim##HDIM##_##NAME};               \
   }
 #if defined(FAH_HDIM64) && defined(FAH_FP16)
@@ -104,6 +112,7 @@ void check_attention_inputs(at::Tensor const& q, at::Tensor const& k, at::Tensor
   TORCH_CHECK(nheads_k == 0 ? nheads == 0 : nheads % nheads_k == 0,
               "q's nheads must be a multiple of k's and v's nheads_k, got ", nheads, " and ", nheads_k);
   TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
+  TORCH_CHECK(padded_head_dim(q.size(3)) != 0, "head_dim must be a multiple of 8 in [8, 256], got ", q.size(3));
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   TORCH_CHECK(nheads <= 65535 && q.size(0) <= 65535, "nheads and batch must be at most 65535");
   // The kernels' mask and tile sums (flash/common/mask.hpp) stay in int for lengths below 2^30.
@@ -134,8 +143,8 @@ ScoreOptions check_score_options(double softmax_scale, bool causal, int64_t wind
 // The compiled entry point of (head_dim, dtype), or an error naming what this build holds.
 template <class Run>
 Run* require_kernel(Run* run, int head_dim, at::ScalarType dtype) {
-  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " with dtype ", dtype, " is not in this build (", build_config(),
-              ")");
+  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " (run by the head_dim ", padded_head_dim(head_dim),
+              " kernels) with dtype ", dtype, " is not in this build (", build_config(), ")");
   return run;
 }
 
@@ -352,7 +361,8 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   TORCH_CHECK(rows <= INT32_MAX, "too many query rows for the backward's workspace");
   int64_t const ws_outer = is_varlen ? int64_t(nheads) : int64_t(batch) * nheads;
   auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dq_accum = zeroed({ws_outer, rows, head_dim}, f32);
+  // Rows of the padded width: the kernels index the dQ accumulator with their compile-time head_dim.
+  at::Tensor dq_accum = zeroed({ws_outer, rows, int64_t(padded_head_dim(head_dim))}, f32);
   at::Tensor lse_log2 = at::empty({ws_outer, rows}, f32);
   at::Tensor dpsum = at::empty({ws_outer, rows}, f32);
   // GQA/MQA: the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.

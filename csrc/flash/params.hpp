@@ -24,6 +24,8 @@ struct FwdParams {
   int nheads_k;
   int seqlen_q;
   int seqlen_k;
+  // The caller's head_dim: a multiple of 8 up to the kernel's compile-time width kHeadDim (64, 128 or 256); the
+  // columns past it are zero-filled on load and never stored.
   int head_dim;
   // Variable-length batches (null for dense ones): q/o are (total_q, nheads, head_dim) and k/v (total_k, nheads_k,
   // head_dim), sequence b at rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and [cu_seqlens_k[b], cu_seqlens_k[b + 1]);
@@ -62,7 +64,7 @@ struct BwdParams {
 
   // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to kBwdSeqlenQRounding = 128; varlen:
   // per head, each sequence in whole tiles, flash/common/seqlen.hpp bwd_workspace_row):
-  float* dq_accum_ptr;  // (batch, nheads, seqlen_q_rounded, head_dim) fp32, zeroed before the main kernel
+  float* dq_accum_ptr;  // (batch, nheads, seqlen_q_rounded, kHeadDim) fp32, zeroed before the main kernel
   float* lse_log2_ptr;  // (batch, nheads, seqlen_q_rounded): LSE * log2(e); +inf for rows with no key or padding
   float* dpsum_ptr;     // (batch, nheads, seqlen_q_rounded): D = rowsum(dO * O); 0 for padding
 
@@ -81,7 +83,7 @@ struct BwdParams {
   int seqlen_q;
   int seqlen_k;
   int seqlen_q_rounded;  // workspace rows per (batch, head); varlen: per head (see flash/common/seqlen.hpp)
-  int head_dim;
+  int head_dim;          // as FwdParams; dq_accum rows are the kernel's kHeadDim wide, dk/dv_accum rows head_dim
   // Variable-length batches, as FwdParams (null for dense ones); dq/dk/dv like q/k/v, lse and dlse (nheads, total_q).
   int const* cu_seqlens_q;
   int const* cu_seqlens_k;

@@ -20,10 +20,11 @@ Usage::
 
 What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, sliding windows
 (``config.sliding_window``, e.g. Mistral, Gemma 2's local layers), attention logit soft-capping (Gemma 2's
-``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim 64/128/256, no
-padding (attention_mask None or all ones), packed sequences in one row (DataCollatorWithFlattening: from position_ids
-or its flash-attention keyword arguments, run by ``attention_varlen``), a DynamicCache (prefill and decoding: the
-causal mask is aligned bottom-right, as in transformers' flash-attention path).
+``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim a multiple
+of 8 up to 256, no padding (attention_mask None or all ones), packed sequences in one row
+(DataCollatorWithFlattening: from position_ids or its flash-attention keyword arguments, run by
+``attention_varlen``), a DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in
+transformers' flash-attention path).
 Everything else raises a Python exception, naming what is unsupported, before any kernel runs.
 
 Tested with transformers 5.17.0. This module imports transformers; ``import flash_attn_hopper`` does not.
@@ -120,7 +121,7 @@ def flash_attn_hopper_attention_forward(
         ValueError: ``attention_mask`` is not None (padded batches are not routed to the variable-length path yet);
             ``dropout`` is not 0; packed sequences in a batch of more than one row, or against a cache; a partial
             set of ``cu_seq_lens_*`` / ``max_length_*``; and, from ``flash_attn_hopper.attention``, bad shapes,
-            head_dim not 64/128/256, tensors not on an sm90 CUDA device.
+            head_dim not a multiple of 8 in [8, 256], tensors not on an sm90 CUDA device.
         NotImplementedError: attention sinks (``s_aux``), a position bias.
         TypeError: a dtype other than float16/bfloat16 outside autocast (for example a float32 model: load it with
             ``dtype=torch.bfloat16`` or run it under ``torch.autocast("cuda", dtype=torch.bfloat16)``).

@@ -93,10 +93,12 @@ struct BwdTraitsBase {
     Element* dv_ptr;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    float* dq_accum_ptr;
+    int head_dim;  // the caller's, <= kHeadDim (a multiple of 8): dK/dV columns at or past it are not written
+    float* dq_accum_ptr;  // (rows, kHeadDim): the workspace keeps the padded width
     float const* lse_log2_ptr;
     float const* dpsum_ptr;
-    float* dk_accum_ptr;  // GQA/MQA: fp32 (batch, seqlen_k, nheads_k, head_dim) or (total_k, ...) sums; else null
+    float* dk_accum_ptr;  // GQA/MQA: fp32 (batch, seqlen_k, nheads_k, head_dim) or (total_k, ...) sums, rows of the
+                          // caller's head_dim; else null
     float* dv_accum_ptr;
     int nheads, nheads_k, seqlen_q, seqlen_k;  // varlen: upper bounds of the lengths
     int seqlen_q_rounded;                      // workspace rows per (batch, head), or per head when varlen
@@ -331,10 +333,11 @@ CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo co
 }
 
 // Walks an accumulator fragment of a (seqlen, head_dim) tile as pairs of adjacent columns, rows at or past
-// `row_limit` skipped: f(element offset row * row_stride + col, value of col, value of col + 1).
+// `row_limit` and columns at or past `col_limit` (even, so a pair is in or out whole) skipped:
+// f(element offset row * row_stride + col, value of col, value of col + 1).
 template <class TensorAcc, class TensorCoord, class F>
 CUTLASS_DEVICE void for_each_row_pair(TensorAcc const& acc, TensorCoord const& coord, int64_t row_stride,
-                                      int row_offset, int row_limit, F&& f) {
+                                      int row_offset, int row_limit, int col_limit, F&& f) {
   Tensor a = make_tensor(acc.data(), acc_rowcol(acc.layout()));
   Tensor c = make_tensor(coord.data(), acc_rowcol(coord.layout()));
   CUTLASS_PRAGMA_UNROLL
@@ -342,13 +345,16 @@ CUTLASS_DEVICE void for_each_row_pair(TensorAcc const& acc, TensorCoord const& c
     int const row = row_offset + get<0>(c(r, 0));
     if (row < row_limit) {
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(a); j += 2) { f(row * row_stride + get<1>(c(r, j)), a(r, j), a(r, j + 1)); }
+      for (int j = 0; j < size<1>(a); j += 2) {
+        int const col = get<1>(c(r, j));
+        if (col < col_limit) { f(row * row_stride + col, a(r, j), a(r, j + 1)); }
+      }
     }
   }
 }
 
 // Epilogue of both consumers: dV and α·dK for the keys of this block that exist (zeros when no query sees them),
-// written directly (MHA) or added into the group's fp32 sums (GQA/MQA).
+// written directly (MHA) or added into the group's fp32 sums (GQA/MQA); only the caller's head_dim columns.
 template <class Traits, bool kDeterministic, class TensorAcc>
 CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc const& tdVrdV,
                               TensorAcc const& tdKrdK, int mma_tidx, int n_block, int bidh, SeqlenInfo const& info) {
@@ -359,9 +365,9 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
   int const key_offset = n_block * kBlockN;
   if (params.dk_accum_ptr != nullptr) {
     int const bidh_kv = bidh / (params.nheads / params.nheads_k);
-    int64_t const row_stride = int64_t(params.nheads_k) * kHeadDim;
+    int64_t const row_stride = int64_t(params.nheads_k) * params.head_dim;
     int64_t const offset =
-        ((int64_t(info.bidb) * params.seqlen_k + info.offset_k) * params.nheads_k + bidh_kv) * kHeadDim;
+        ((int64_t(info.bidb) * params.seqlen_k + info.offset_k) * params.nheads_k + bidh_kv) * params.head_dim;
     // float2 atomics: the query heads of a group add into the same rows; in deterministic mode in head order.
     int* sem = nullptr;
     if constexpr (kDeterministic) {
@@ -375,9 +381,9 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
         atomicAdd(reinterpret_cast<float2*>(base + idx), make_float2(x0 * scale, x1 * scale));
       };
     };
-    for_each_row_pair(tdVrdV, tdKVcdKV, row_stride, key_offset, info.seqlen_k,
+    for_each_row_pair(tdVrdV, tdKVcdKV, row_stride, key_offset, info.seqlen_k, params.head_dim,
                       add(params.dv_accum_ptr + offset, 1.f));
-    for_each_row_pair(tdKrdK, tdKVcdKV, row_stride, key_offset, info.seqlen_k,
+    for_each_row_pair(tdKrdK, tdKVcdKV, row_stride, key_offset, info.seqlen_k, params.head_dim,
                       add(params.dk_accum_ptr + offset, params.softmax_scale));
     if constexpr (kDeterministic) {
       __threadfence();
@@ -394,11 +400,11 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
         *reinterpret_cast<cutlass::Array<Element, 2>*>(base + idx) = pair;
       };
     };
-    for_each_row_pair(tdVrdV, tdKVcdKV, params.dv_row_stride, key_offset, info.seqlen_k,
+    for_each_row_pair(tdVrdV, tdKVcdKV, params.dv_row_stride, key_offset, info.seqlen_k, params.head_dim,
                       store(params.dv_ptr + info.bidb * params.dv_batch_stride + info.offset_k * params.dv_row_stride +
                                 bidh * params.dv_head_stride,
                             1.f));
-    for_each_row_pair(tdKrdK, tdKVcdKV, params.dk_row_stride, key_offset, info.seqlen_k,
+    for_each_row_pair(tdKrdK, tdKVcdKV, params.dk_row_stride, key_offset, info.seqlen_k, params.head_dim,
                       store(params.dk_ptr + info.bidb * params.dk_batch_stride + info.offset_k * params.dk_row_stride +
                                 bidh * params.dk_head_stride,
                             params.softmax_scale));

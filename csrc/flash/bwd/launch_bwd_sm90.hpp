@@ -24,7 +24,9 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   using Traits = std::conditional_t<
       Cfg::kSwapSdP, BwdSwapKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages>,
       BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>>;
-  if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
+  // Any head_dim that is a multiple of 8 up to the tile width (as the forward): Q, dO, K, V columns past it load as
+  // zeros, so the padded columns of dQ, dK, dV are zeros too, and they are never stored to the caller's tensors.
+  if (p.head_dim <= 0 || p.head_dim > kHeadDim || p.head_dim % 8 != 0) { return cudaErrorInvalidValue; }
   bool const gqa = p.nheads_k != p.nheads;
   // Deterministic mode needs the dQ counters, and with GQA the dK/dV ones too.
   bool const half_deterministic = (p.dq_semaphore != nullptr) && gqa && (p.dkv_semaphore == nullptr);
@@ -58,7 +60,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   // Varlen: the packed rows as one batch element; sequences are found by row offsets in the kernels.
   int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
-    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, varlen ? 1 : p.batch, row, head, batch);
+    return make_qkv_gmem<Element>(ptr, seqlen, p.head_dim, nheads, varlen ? 1 : p.batch, row, head, batch);
   };
   auto mQ = gmem(p.q_ptr, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto mdO = gmem(p.do_ptr, rows_q, p.nheads, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
@@ -67,6 +69,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   auto kv_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
+  // The dQ accumulator is the host's workspace, with rows of kHeadDim floats (padded, not the caller's head_dim).
   int64_t const dq_accum_rows =
       int64_t(varlen ? 1 : p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim / Traits::kDQChunkCols;
   if (dq_accum_rows > INT32_MAX) { return cudaErrorInvalidValue; }
@@ -91,6 +94,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       p.dv_batch_stride,
       p.dv_row_stride,
       p.dv_head_stride,
+      p.head_dim,
       p.dq_accum_ptr,
       p.lse_log2_ptr,
       p.dpsum_ptr,

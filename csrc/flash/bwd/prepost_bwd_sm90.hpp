@@ -3,6 +3,8 @@
 //                LSE_log2 = +inf, and +inf too for rows that saw no key, so that P = exp2(x·scale_log2 − LSE_log2)
 //                is 0 there). dLSE (when the loss uses the LSE) folds into D because dS = P ∘ (dP − D) + P ∘ dLSE.
 //   postprocess: dQ = softmax_scale · dQ_accum, converted to the input dtype, into dQ's strided layout.
+// dQ_accum rows are kHeadDim floats wide (the padded tile width); O, dO and dQ are read and written only in their
+// first p.head_dim columns (the caller's head_dim, a multiple of 8: whole vectors of 8).
 #pragma once
 
 #include <cmath>
@@ -46,7 +48,7 @@ __global__ void flash_bwd_preprocess_kernel(BwdParams const p) {
                     bidh * p.o_head_stride;
     auto const* dout = static_cast<Element const*>(p.do_ptr) + info.bidb * p.do_batch_stride + r * p.do_row_stride +
                        bidh * p.do_head_stride;
-    for (int c = lane * kVec; c < kHeadDim; c += 32 * kVec) {
+    for (int c = lane * kVec; c < p.head_dim; c += 32 * kVec) {
       auto ov = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(o + c);
       auto dv = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(dout + c);
       CUTLASS_PRAGMA_UNROLL
@@ -82,6 +84,7 @@ __global__ void flash_bwd_postprocess_kernel(BwdParams const p) {
   SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
   if (idx >= int64_t(info.seqlen_q) * kHeadDim) { return; }
   int const row = idx / kHeadDim, col = idx % kHeadDim;
+  if (col >= p.head_dim) { return; }  // padded columns: zeros in the workspace, no column of dQ
   float const* acc =
       p.dq_accum_ptr +
       (bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
@@ -137,7 +140,7 @@ __global__ void __launch_bounds__(Traits::NumMmaThreads)
   for (int c = t; c < kBlockM * kChunksPerRow; c += kThreads) {
     int const r = c / kChunksPerRow, col = (c % kChunksPerRow) * kVec;
     int const row = m_block * kBlockM + r;
-    if (row < info.seqlen_q) {
+    if (row < info.seqlen_q && col < p.head_dim) {
       *reinterpret_cast<cutlass::Array<Element, kVec>*>(static_cast<Element*>(p.dq_ptr) + info.bidb * p.dq_batch_stride +
                                                         (info.offset_q + int64_t(row)) * p.dq_row_stride +
                                                         bidh * p.dq_head_stride + col) =

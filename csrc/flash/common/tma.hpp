@@ -17,12 +17,13 @@ inline int64_t tma_stride(int64_t stride, int64_t extent, int64_t elems_per_16b)
 }
 
 // A (batch, seqlen, nheads, head_dim) tensor with unit head_dim stride, viewed as TMA descriptors take it:
-// (seqlen, head_dim, nheads, batch).
-template <class Element, int kHeadDim>
-auto make_qkv_gmem(void const* ptr, int seqlen, int nheads, int batch, int64_t row_stride, int64_t head_stride,
-                   int64_t batch_stride) {
+// (seqlen, head_dim, nheads, batch). head_dim is the caller's (runtime) one, which may be below the kernel's tile
+// width kHeadDim: TMA loads then zero-fill the columns past it (zeros add nothing to any GEMM) and never read them.
+template <class Element>
+auto make_qkv_gmem(void const* ptr, int seqlen, int head_dim, int nheads, int batch, int64_t row_stride,
+                   int64_t head_stride, int64_t batch_stride) {
   constexpr int64_t k16 = 16 / sizeof(Element);
-  auto shape = cute::make_shape(int32_t(seqlen), int32_t(kHeadDim), int32_t(nheads), int32_t(batch));
+  auto shape = cute::make_shape(int32_t(seqlen), int32_t(head_dim), int32_t(nheads), int32_t(batch));
   auto stride = cute::make_stride(tma_stride(row_stride, seqlen, k16), cute::_1{},
                                   tma_stride(head_stride, nheads, k16), tma_stride(batch_stride, batch, k16));
   return cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(ptr)), cute::make_layout(shape, stride));

@@ -99,6 +99,7 @@ struct FwdKernelTraits {
     ShapeQKV shape_k;
     Element* o_ptr;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
+    int head_dim;  // the caller's, <= kHeadDim (a multiple of 8): O columns at or past it are not written
     float* lse_ptr;
     int64_t lse_batch_stride, lse_head_stride;  // LSE of row r: lse_ptr + b * batch + h * head + offset_q + r
     int nheads, seqlen_q, seqlen_k;             // varlen: the maxima (bound the tiles and the window)
@@ -309,7 +310,8 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     ss.barrier_q_empty.arrive();
   }
 
-  // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q are not written).
+  // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q and columns past head_dim are not
+  // written).
   cute::array<float, kRows> lse;
   auto inv_sum = softmax.finalize(params.score_scale, lse);
   OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
@@ -330,10 +332,12 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(o); j += 2) {
         int const col = get<1>(c(r, j));
-        cutlass::Array<Element, 2> pair;
-        pair[0] = o(r, j);
-        pair[1] = o(r, j + 1);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
+        if (col < params.head_dim) {  // col is even and head_dim a multiple of 8: the pair is in or out whole
+          cutlass::Array<Element, 2> pair;
+          pair[0] = o(r, j);
+          pair[1] = o(r, j + 1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
+        }
       }
       if (mma_tidx % 4 == 0) { lse_base[row] = lse[r]; }
     }

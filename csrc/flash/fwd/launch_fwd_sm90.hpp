@@ -21,7 +21,9 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   using Cfg = FwdTileConfig<kHeadDim>;
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap,
                                  Cfg::kPersistent>;
-  if (p.head_dim != kHeadDim) { return cudaErrorInvalidValue; }
+  // Any head_dim that is a multiple of 8 (16-byte rows for TMA) up to the tile width: the columns past it are
+  // zero-filled on load and never stored.
+  if (p.head_dim <= 0 || p.head_dim > kHeadDim || p.head_dim % 8 != 0) { return cudaErrorInvalidValue; }
   if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || !(p.softcap >= 0.f)) { return cudaErrorInvalidValue; }
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
   int const num_m_blocks = cute::ceil_div(p.seqlen_q, Traits::kBlockM);
@@ -38,7 +40,7 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   if (varlen != (p.cu_seqlens_k != nullptr)) { return cudaErrorInvalidValue; }
   int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
-    return make_qkv_gmem<Element, kHeadDim>(ptr, seqlen, nheads, varlen ? 1 : p.batch, row, head, batch);
+    return make_qkv_gmem<Element>(ptr, seqlen, p.head_dim, nheads, varlen ? 1 : p.batch, row, head, batch);
   };
   auto mQ = gmem(p.q_ptr, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto mK = gmem(p.k_ptr, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
@@ -57,6 +59,7 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       p.o_batch_stride,
       p.o_row_stride,
       p.o_head_stride,
+      p.head_dim,
       p.lse_ptr,
       varlen ? 0 : int64_t(p.nheads) * p.seqlen_q,
       varlen ? int64_t(p.total_q) : int64_t(p.seqlen_q),
