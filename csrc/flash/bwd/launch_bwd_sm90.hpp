@@ -50,9 +50,8 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
 
   {
-    constexpr int kWarps = 8;
-    dim3 grid(cute::ceil_div(max_rows_q, kWarps), p.nheads, p.batch);
-    flash_bwd_preprocess_kernel<Element, kHeadDim><<<grid, kWarps * 32, 0, stream>>>(p);
+    dim3 grid(cute::ceil_div(max_rows_q, preprocess_rows_per_block<kHeadDim>()), p.nheads, p.batch);
+    flash_bwd_preprocess_kernel<Element, kHeadDim><<<grid, kPreprocessThreads, 0, stream>>>(p);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) { return err; }
   }

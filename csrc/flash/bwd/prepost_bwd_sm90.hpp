@@ -29,14 +29,27 @@ CUTLASS_DEVICE int64_t lse_index(BwdParams const& p, SeqlenInfo const& info, int
                                    : (int64_t(info.batch_idx) * p.nheads + bidh) * p.seqlen_q + row;
 }
 
-// One warp per query row; lanes stride over head_dim in vectors of 8 elements (16 bytes). Covers each sequence's rows
-// rounded up to whole workspace tiles.
+// Rows of the preprocess per 256-thread block: kHeadDim / 8 lanes per row (16-byte vectors), so a warp covers 4, 2
+// or 1 rows at head_dim 64, 128, 256 (one row per warp left 24 of 32 lanes idle at head_dim 64: half the copy rate).
+template <int kHeadDim>
+constexpr int preprocess_lanes_per_row() {
+  return kHeadDim / 8 < 32 ? kHeadDim / 8 : 32;
+}
+constexpr int kPreprocessThreads = 256;
+template <int kHeadDim>
+constexpr int preprocess_rows_per_block() {
+  return kPreprocessThreads / preprocess_lanes_per_row<kHeadDim>();
+}
+
+// kHeadDim / 8 lanes per query row stride over head_dim in vectors of 8 elements (16 bytes). Covers each sequence's
+// rows rounded up to whole workspace tiles.
 template <class Element, int kHeadDim>
-__global__ void flash_bwd_preprocess_kernel(BwdParams const p) {
-  constexpr int kVec = 8;
-  static_assert(kHeadDim % (32 * kVec) == 0 || (32 * kVec) % kHeadDim == 0);
-  int const lane = threadIdx.x % 32;
-  int const row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+__global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(BwdParams const p) {
+  constexpr int kVec = 8, kLanes = preprocess_lanes_per_row<kHeadDim>();
+  static_assert(32 % kLanes == 0 && kHeadDim % (kLanes * kVec) == 0);
+  static_assert(kBwdSeqlenQRounding % (32 / kLanes) == 0);  // a warp's rows are all in or all out of the range
+  int const lane = threadIdx.x % kLanes;
+  int const row = blockIdx.x * preprocess_rows_per_block<kHeadDim>() + threadIdx.x / kLanes;
   int const bidh = blockIdx.y;
   SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
   constexpr int kRound = kBwdSeqlenQRounding;
@@ -48,15 +61,20 @@ __global__ void flash_bwd_preprocess_kernel(BwdParams const p) {
                     bidh * p.o_head_stride;
     auto const* dout = static_cast<Element const*>(p.do_ptr) + info.bidb * p.do_batch_stride + r * p.do_row_stride +
                        bidh * p.do_head_stride;
-    for (int c = lane * kVec; c < p.head_dim; c += 32 * kVec) {
-      auto ov = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(o + c);
-      auto dv = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(dout + c);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kVec; ++i) { dot += float(ov[i]) * float(dv[i]); }
+    CUTLASS_PRAGMA_UNROLL
+    for (int c0 = 0; c0 < kHeadDim; c0 += kLanes * kVec) {
+      int const c = c0 + lane * kVec;
+      if (c < p.head_dim) {
+        auto ov = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(o + c);
+        auto dv = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(dout + c);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kVec; ++i) { dot += float(ov[i]) * float(dv[i]); }
+      }
     }
   }
+  // Sum over the row's lanes (aligned groups of kLanes within the warp; the whole warp is here, see above).
   CUTLASS_PRAGMA_UNROLL
-  for (int offset = 16; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
   if (lane == 0) {
     int64_t const idx =
         bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
