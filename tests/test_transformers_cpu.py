@@ -205,15 +205,16 @@ def test_dropout_rejected(fah_tf, spy):
 @pytest.mark.parametrize(
     "mask",
     [
-        torch.ones(2, 8, dtype=torch.bool),  # 2D padding mask that was not dropped
+        torch.ones(2, 8, dtype=torch.long),  # 2D, not the boolean mask transformers passes on
+        torch.ones(2, 7, dtype=torch.bool),  # 2D boolean, shorter than the keys (a StaticCache's)
         torch.zeros(2, 1, 8, 8),  # 4D additive mask
         torch.ones(2, 1, 8, 8, dtype=torch.bool),  # 4D boolean mask
     ],
-    ids=["2d", "4d-float", "4d-bool"],
+    ids=["2d-long", "2d-short", "4d-float", "4d-bool"],
 )
 def test_mask_rejected(fah_tf, spy, mask):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"attention_mask of shape .*padding"):
+    with pytest.raises(ValueError, match=r"attention_mask of shape .*4D or custom"):
         fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, mask)
     assert not spy.calls
 
@@ -332,14 +333,82 @@ def test_autocast_casts_to_the_autocast_dtype(fah_tf, spy):
 
 
 @requires_transformers
-def test_model_padding_mask_raises(fah_tf, spy, allow_float32):
-    model = _model(_tiny_config(), NAME)
-    ids = torch.randint(0, 97, (2, 16))
-    mask = torch.ones(2, 16, dtype=torch.long)
-    mask[0, :3] = 0  # left padding in the first sequence
-    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 16\).*padding"):
-        model(input_ids=ids, attention_mask=mask)
-    assert not spy.calls
+@pytest.mark.parametrize("side", ["left", "right", "both"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_model_padded_batch_matches_sdpa_with_reference_kernel(fah_tf, reference_kernel, side, gqa):
+    """A padded batch runs through attention_varlen (the kept tokens of each row as one sequence): logits at the kept
+    positions, the loss over them (labels -100 on padding) and every parameter gradient equal SDPA's with the same
+    mask; padded positions' attention output is 0 (their logits are not compared: SDPA gives them other values)."""
+    config = _tiny_config(num_attention_heads=4, num_key_value_heads=2 if gqa else 4)
+    ours, sdpa = _same_weights(config)
+    ids = torch.randint(0, 97, (3, 21))
+    mask = torch.ones(3, 21, dtype=torch.long)
+    if side in ("left", "both"):
+        mask[0, :5] = 0
+        mask[2, :20] = 0  # one kept token
+    if side in ("right", "both"):
+        mask[1, 13:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for model in (ours, sdpa):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        results.append((out.logits, out.loss, {n: p.grad for n, p in model.named_parameters()}))
+    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = results
+    kept = mask.bool()
+    torch.testing.assert_close(logits_a[kept], logits_b[kept], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@requires_transformers
+def test_padded_batch_reads_the_mask_once_per_forward(fah_tf, monkeypatch, allow_float32):
+    """Both layers share the unpadding of one mask: the host reads it once per forward; padded query rows get 0."""
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, q.shape[0], k.shape[0]))
+        return torch.ones(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, requires_grad=True)
+
+    monkeypatch.setattr(interface, "attention_varlen", fake_varlen)
+    reads = []
+    original_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or original_tolist(self))
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[0, :3] = 0
+    q, k, v = _qkv(batch=2, seqlen_q=16)
+    for _ in range(2):  # two layers of one forward
+        out, _ = fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, mask)
+    reads = [r for r in reads if r == (2, 2)]
+    assert len(reads) == 1
+    assert calls[0][:4] == ([0, 13, 29], [0, 13, 29], 16, 16)
+    assert torch.equal(out[0, :3], torch.zeros_like(out[0, :3])) and torch.equal(out[0, 3:], torch.ones_like(out[0, 3:]))
+
+
+@requires_transformers
+def test_model_padded_cached_decoding_matches_sdpa_with_reference_kernel(fah_tf, reference_kernel):
+    """Left-padded prompts, then one-token decoding steps against the cache: the logits of the kept positions equal
+    SDPA's at every step (queries are the mask's last columns; causal aligned bottom-right per row)."""
+    from transformers import DynamicCache
+
+    config = _tiny_config()
+    ours, sdpa = _same_weights(config)
+    ours.eval()
+    sdpa.eval()
+    ids = torch.randint(0, 97, (2, 15))
+    mask = torch.ones(2, 15, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        for model in (ours, sdpa):
+            cache = DynamicCache(config=config)
+            logits = [model(input_ids=ids[:, :12], attention_mask=mask[:, :12], past_key_values=cache,
+                            use_cache=True).logits[:, -1]]
+            for t in range(12, 15):
+                logits.append(model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1],
+                                    past_key_values=cache, use_cache=True).logits[:, -1])
+            model._decoded = torch.stack(logits, 1)
+    torch.testing.assert_close(ours._decoded, sdpa._decoded, rtol=1e-4, atol=1e-5)
 
 
 @requires_transformers

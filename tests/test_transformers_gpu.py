@@ -199,14 +199,31 @@ def test_cached_decoding_matches_sdpa(models):
     _check(incremental(ours), logits_ref, incremental(sdpa), "cached logits")
 
 
-def test_padding_mask_raises(models):
-    ours, _, _ = models
+def test_padded_batch_matches_sdpa(models):
+    """A left- and right-padded batch runs through attention_varlen (the kept tokens of each row as one sequence):
+    logits at kept positions and every gradient (labels -100 on padding) against SDPA's masked reference (math
+    backend, fp32). An all-ones mask (no padding) is dropped and gives the unmasked result."""
+    ours, sdpa, ref = models
     ids = torch.randint(0, VOCAB, (BATCH, SEQLEN), device="cuda")
     mask = torch.ones(BATCH, SEQLEN, dtype=torch.long, device="cuda")
-    mask[0, :7] = 0  # left padding in the first sequence
-    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 128\).*padding"):
-        ours(input_ids=ids, attention_mask=mask)
-    # An all-ones mask (no padding) is accepted and gives the unmasked result.
+    mask[0, :7] = 0  # left padding
+    mask[1, 90:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    kept = mask.bool()
+
+    def run(model, reference=False):
+        model.zero_grad(set_to_none=True)
+        with _math_sdpa() if reference else torch.enable_grad():
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+            out.loss.backward()
+        return out.logits.detach()[kept], {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    logits, grads = run(ours)
+    logits_sdpa, grads_sdpa = run(sdpa)
+    logits_ref, grads_ref = run(ref, reference=True)
+    _check(logits, logits_ref, logits_sdpa, "padded logits")
+    for name in grads:
+        _check_l2(grads[name].float(), grads_ref[name].float(), grads_sdpa[name].float(), f"padded grad {name}")
     with torch.no_grad():
         a = ours(input_ids=ids, attention_mask=torch.ones_like(mask), use_cache=False).logits
         b = ours(input_ids=ids, use_cache=False).logits

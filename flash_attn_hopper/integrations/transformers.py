@@ -13,7 +13,9 @@ Usage::
 - ``flash_attn_hopper_attention_forward`` into ``AttentionInterface`` (the attention function every layer calls);
 - ``flash_attn_hopper_mask`` into ``AttentionMaskInterface`` (the mask builder the model calls once per forward).
   It never builds a dense 4D mask: it returns None for plain causal (or bidirectional) attention without padding, and
-  returns the 2D padding mask otherwise, which the attention function then rejects. Without a mask registration,
+  the 2D boolean padding mask otherwise, with which the attention function runs the batch through the
+  variable-length kernel (unpad, ``attention_varlen``, pad: as transformers' flash-attention path). Without a mask
+  registration,
   transformers would drop every attention mask for this name without a word
   (``masking_utils._preprocess_mask_arguments`` returns None for names it has no mask function for), so a padded
   batch would silently attend to its padding.
@@ -21,7 +23,8 @@ Usage::
 What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, sliding windows
 (``config.sliding_window``, e.g. Mistral, Gemma 2's local layers), attention logit soft-capping (Gemma 2's
 ``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim a multiple
-of 8 up to 256, no padding (attention_mask None or all ones), packed sequences in one row
+of 8 up to 256, padded batches (a 2D attention_mask: left or right padding, run through ``attention_varlen``; not
+under torch.compile's fullgraph, which cannot trace the mask's host read), packed sequences in one row
 (DataCollatorWithFlattening: from position_ids or its flash-attention keyword arguments, run by
 ``attention_varlen``), a DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in
 transformers' flash-attention path).
@@ -91,9 +94,12 @@ def flash_attn_hopper_attention_forward(
             input is first cast to the autocast dtype, as autocast does for SDPA: with float32 weights, Llama's query
             and key are float32 after the rotary embedding while value is already bfloat16. Only the last dimension
             must have stride 1; the (batch, seqlen, nheads, head_dim) views are passed to the kernel without a copy.
-        attention_mask: must be None. transformers passes None for causal or full attention without padding (the mask
-            function registered with this one turns an all-ones 2D mask into None); anything else is a padding or
-            custom mask this version cannot represent.
+        attention_mask: None, or the 2D boolean ``(batch, seqlen_k)`` padding mask (True: a kept token) that the mask
+            function registered with this one passes on (it turns an all-ones mask into None). With a padding mask the
+            kept tokens of each row form one sequence, queries being the row's last seqlen_q positions, and the batch
+            runs through ``attention_varlen`` (causal and windows aligned bottom-right per sequence; padded query rows
+            get output 0), as transformers' flash-attention path does; the mask is read from the device once per
+            forward (shared by the layers). Any other mask (4D, additive, custom) raises ValueError.
         dropout: attention dropout probability; must be 0 (set ``config.attention_dropout = 0.0``).
         scaling: softmax scale (multiplier of Q Kᵀ); None means ``1 / sqrt(head_dim)``.
         is_causal: causal mask if True; None means ``module.is_causal`` (True when the module has no such attribute).
@@ -118,7 +124,7 @@ def flash_attn_hopper_attention_forward(
         (q's dtype, or the autocast dtype), differentiable with respect to query, key and value.
 
     Raises:
-        ValueError: ``attention_mask`` is not None (padded batches are not routed to the variable-length path yet);
+        ValueError: ``attention_mask`` is not None and not the 2D boolean padding mask described above;
             ``dropout`` is not 0; packed sequences in a batch of more than one row, or against a cache; a partial
             set of ``cu_seq_lens_*`` / ``max_length_*``; and, from ``flash_attn_hopper.attention``, bad shapes,
             head_dim not a multiple of 8 in [8, 256], tensors not on an sm90 CUDA device.
@@ -134,13 +140,13 @@ def flash_attn_hopper_attention_forward(
             f"{_where(module)}: dropout={dropout}; flash_attn_hopper has no attention dropout, so training needs "
             "config.attention_dropout = 0.0"
         )
-    if attention_mask is not None:
+    if attention_mask is not None and not _is_padding_mask(attention_mask, query, key):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(
-            f"{_where(module)}: got an attention_mask of shape {shape}; flash_attn_hopper computes causal or full "
-            "attention without padding only (an all-ones 2D attention_mask is dropped before it gets here, so this "
-            "one masks padding, or is a 4D or custom mask). Padding masks need the variable-length path, which is not "
-            "available yet: use batches without padding, or attn_implementation='sdpa' for padded batches."
+            f"{_where(module)}: got an attention_mask of shape {shape}; flash_attn_hopper takes causal or full "
+            "attention, and padding as the 2D boolean (batch, key length) mask its mask function passes on (padded "
+            "batches run through the variable-length kernel); this one is a 4D or custom mask. Use "
+            "attn_implementation='sdpa' for it."
         )
     unsupported = {
         "s_aux": kwargs.get("s_aux"),
@@ -151,7 +157,7 @@ def flash_attn_hopper_attention_forward(
             raise NotImplementedError(
                 f"{_where(module)}: {name} is not supported by flash_attn_hopper yet (got {name} != None)"
             )
-    packed = _packed_sequences(module, query, key, kwargs)
+    packed = None if attention_mask is not None else _packed_sequences(module, query, key, kwargs)
     if kwargs.get("output_attentions", False):
         transformers.utils.logging.get_logger(__name__).warning_once(
             "flash_attn_hopper attention does not form attention weights; `output_attentions=True` returns None "
@@ -186,7 +192,63 @@ def flash_attn_hopper_attention_forward(
         cu_q, cu_k, max_q, max_k = packed
         attn_output = _interface.attention_varlen(query[0], key[0], value[0], cu_q, cu_k, max_q, max_k, **options)
         return attn_output.unsqueeze(0), None
+    if attention_mask is not None:
+        return _padded_attention(attention_mask, query, key, value, options), None
     return _interface.attention(query, key, value, **options), None
+
+
+def _is_padding_mask(attention_mask, query, key):
+    """Whether attention_mask is the 2D boolean (batch, kv_length) padding mask that transformers' flash-attention
+    mask function (and so ``flash_attn_hopper_mask``) passes on; query and key are (batch, nheads, seqlen, head_dim)."""
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 2
+        and attention_mask.dtype == torch.bool
+        and attention_mask.shape[0] == query.shape[0]
+        and attention_mask.shape[1] == key.shape[2] >= query.shape[2]
+        and attention_mask.device == query.device
+    )
+
+
+# Padding masks already turned into token indices: id -> (weak reference, version, result of _unpadding). The layers
+# of one forward get the same mask tensor, so it is read from the device once per forward.
+_UNPADDING = {}
+
+
+def _unpadding(attention_mask, q_length):
+    """(indices_q, indices_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a (batch, kv_length) padding
+    mask whose last q_length columns are the queries' positions (the keys before them come from a cache)."""
+    cached = _UNPADDING.get(id(attention_mask))
+    if (cached is not None and cached[0]() is attention_mask and cached[1] == attention_mask._version
+            and cached[2] == q_length):
+        return cached[3]
+    mask_k = attention_mask
+    mask_q = attention_mask[:, -q_length:]
+    lengths = torch.stack([mask_q.sum(-1, dtype=torch.int32), mask_k.sum(-1, dtype=torch.int32)])
+    cu = torch.nn.functional.pad(lengths.cumsum(-1, dtype=torch.int32), (1, 0))
+    indices_q = mask_q.flatten().nonzero().flatten()
+    indices_k = mask_k.flatten().nonzero().flatten()
+    longest_q, longest_k = (max(row, default=0) for row in lengths.tolist())  # the one host read
+    result = (indices_q, indices_k, cu[0], cu[1], longest_q, longest_k)
+    if not attention_mask.is_inference():
+        key = id(attention_mask)
+        ref = weakref.ref(attention_mask, lambda _, key=key: _UNPADDING.pop(key, None))
+        _UNPADDING[key] = (ref, attention_mask._version, q_length, result)
+    return result
+
+
+def _padded_attention(attention_mask, query, key, value, options):
+    """A padded batch through ``attention_varlen``, as transformers' flash-attention path does it: the kept tokens of
+    each row form one sequence (queries: the row's last q_length positions), causal masks and windows align
+    bottom-right per sequence, and padded query rows get output 0. query/key/value: (batch, seqlen, nheads, head_dim)
+    views; returns (batch, seqlen_q, nheads, head_dim_v)."""
+    batch, q_length, nheads, _ = query.shape
+    indices_q, indices_k, cu_q, cu_k, max_q, max_k = _unpadding(attention_mask, q_length)
+    q = query.reshape(batch * q_length, nheads, query.shape[-1]).index_select(0, indices_q)
+    k, v = (t.reshape(batch * t.shape[1], t.shape[2], t.shape[3]).index_select(0, indices_k) for t in (key, value))
+    out = _interface.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+    full = out.new_zeros(batch * q_length, nheads, out.shape[-1]).index_copy(0, indices_q, out)
+    return full.view(batch, q_length, nheads, out.shape[-1])
 
 
 def _packed_sequences(module, query, key, kwargs):
@@ -348,8 +410,9 @@ def flash_attn_hopper_mask(
 
     Returns None when the attention is plain causal, plain bidirectional or causal with a sliding window (transformers'
     ``sliding_window_causal_mask_function``, recognised by its ``local_size`` argument and checked on sample indices)
-    without padding (``attention_mask`` None or all ones), so the attention function runs the kernel's own masking; otherwise returns the 2D boolean
-    padding mask ``(batch, kv_length)``, which ``flash_attn_hopper_attention_forward`` rejects with a ValueError. Same
+    without padding (``attention_mask`` None or all ones), so the attention function runs the kernel's own masking;
+    otherwise returns the 2D boolean padding mask ``(batch, kv_length)``, with which
+    ``flash_attn_hopper_attention_forward`` runs the batch through the variable-length kernel. Same
     as transformers' ``flash_attention_mask``, plus two checks, skipped while torch.compile traces (the first because
     transformers composes a packed-sequence mask with every mask while tracing, the second because it needs a host
     value):
