@@ -201,6 +201,23 @@ def test_default_scale_is_of_q_head_dim():
     assert torch.equal(attention(q, k, v), attention(q, k, v, softmax_scale=1.0 / math.sqrt(head_dim)))
 
 
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (64, 128)], ids=["192-128", "64-128"])
+def test_opcheck_fake_kernels(head_dim, head_dim_v):
+    """The fake kernels (torch.compile) give out head_dim_v and dv v's shape, as the CUDA kernels do."""
+    dtype = _dtype(head_dim, head_dim_v)
+    q, k, v, _ = _inputs(2, 77, 140, 4, 2, head_dim, head_dim_v, dtype)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    scale = head_dim**-0.5
+    options = (True, -1, 0, 0.0, False)
+    torch.library.opcheck(torch.ops.flash_attn_hopper.fwd.default, (q, k, v, scale, *options))
+    out, lse = torch.ops.flash_attn_hopper.fwd(q.detach(), k.detach(), v.detach(), scale, *options)
+    assert out.shape == (2, 77, 4, head_dim_v)
+    torch.library.opcheck(
+        torch.ops.flash_attn_hopper.bwd.default,
+        (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, scale, *options),
+    )
+
+
 # ------------------------------------------------------------------------------------------------ variable length
 
 
@@ -275,8 +292,8 @@ _SANITIZER_SCRIPT = r"""
 import torch
 from flash_attn_hopper import attention, attention_varlen
 torch.manual_seed(0)
-cases = ((192, 128, 2, torch.bfloat16), (192, 128, 1, torch.float16), (64, 128, 4, torch.bfloat16),
-         (128, 64, 1, torch.float16))
+# both backward variants (256: P/dS in shared memory; 128: kSwapSdP), both dtypes, v wider and narrower, GQA/MQA
+cases = ((192, 128, 2, torch.bfloat16), (64, 128, 4, torch.float16), (128, 64, 1, torch.bfloat16))
 for head_dim, head_dim_v, nheads_k, dtype in cases:
     q = torch.randn(2, 131, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(2, 77, nheads_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
@@ -301,9 +318,8 @@ def test_compute_sanitizer_memcheck():
                                                              "compute-sanitizer")
     if not os.path.exists(tool):
         pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH and not under CUDA_HOME)")
-    for width in (256, 128):
-        _require_built(width, torch.float16)
-        _require_built(width, torch.bfloat16)
+    for width, dtype in ((256, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
+        _require_built(width, dtype)
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     r = subprocess.run(
         [tool, "--tool", "memcheck", "--error-exitcode", "99", sys.executable, "-c", _SANITIZER_SCRIPT],
