@@ -10,7 +10,8 @@ from . import _ops
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Tile widths of the compiled kernels. Any head_dim that is a multiple of 8 up to 256 runs on the smallest of them that
-# holds it (kernel_head_dim); the padded columns are zeros on load and never stored.
+# holds it (kernel_head_dim); the padded columns are zeros on load and never stored. v's head_dim may differ from q's
+# and k's: the kernel is then the one of the larger.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _HEAD_DIM_MULTIPLE = 8  # 16-byte rows (fp16/bf16), what TMA needs
 _MAX_GRID_YZ = 65535  # batch and nheads index grid dimensions y and z
@@ -57,20 +58,21 @@ def _check_tensor_args(q, k, v):
             f"k has {nheads_k} heads but q has {nheads}; q's nheads must be a multiple of k's and v's nheads_k "
             "(equal for multi-head attention, smaller for grouped-query / multi-query attention)"
         )
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[3] != head_dim:
-            raise ValueError(f"{name} has head_dim {t.shape[3]} but q has head_dim {head_dim}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {head_dim}")
     for what, value in (("batch", batch), ("nheads", nheads)):
         if value > _MAX_GRID_YZ:
             raise ValueError(f"q has {what} {value}; at most {_MAX_GRID_YZ} is supported (CUDA grid limit)")
     for name, t in (("q", q), ("k", k)):
         if t.shape[1] >= _MAX_SEQLEN:
             raise ValueError(f"{name} has {t.shape[1]} rows (seqlen or total tokens); at most {_MAX_SEQLEN - 1} are supported")
-    if kernel_head_dim(head_dim) is None:
-        raise ValueError(
-            f"q has head_dim {head_dim}; supported head_dim values are the multiples of {_HEAD_DIM_MULTIPLE} from "
-            f"{_HEAD_DIM_MULTIPLE} to {SUPPORTED_HEAD_DIMS[-1]}"
-        )
+    # v's head_dim (that of out) may differ from q's and k's (e.g. 192 / 128 in DeepSeek-style models).
+    for name, d in (("q", head_dim), ("v", v.shape[3])):
+        if kernel_head_dim(d) is None:
+            raise ValueError(
+                f"{name} has head_dim {d}; supported head_dim values are the multiples of {_HEAD_DIM_MULTIPLE} from "
+                f"{_HEAD_DIM_MULTIPLE} to {SUPPORTED_HEAD_DIMS[-1]}"
+            )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(
@@ -121,13 +123,16 @@ def _check_scale(softmax_scale, head_dim):
     return softmax_scale
 
 
-def _check_compiled(head_dim, dtype):
+def _check_compiled(head_dim, dtype, head_dim_v=None):
+    """head_dim: q's and k's; head_dim_v: v's (None: the same). The kernel of the larger must be in the build."""
     head_dims, dtypes = _ops._compiled()
-    kernel = kernel_head_dim(head_dim)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    kernel = kernel_head_dim(max(head_dim, head_dim_v))
     if kernel not in head_dims:
         ran_by = "" if kernel == head_dim else f" (run by the head_dim {kernel} kernels)"
+        with_v = "" if head_dim_v == head_dim else f" and v head_dim {head_dim_v}"
         raise ValueError(
-            f"q has head_dim {head_dim}{ran_by}, which this build does not include (built with head_dims "
+            f"q has head_dim {head_dim}{with_v}{ran_by}, which this build does not include (built with head_dims "
             f"{list(head_dims)}; rebuild without FAH_HDIMS to get all)"
         )
     if dtype not in dtypes:
@@ -203,14 +208,16 @@ def attention(
         k: ``(batch, seqlen_k, nheads_k, head_dim)``, same dtype and device as q. nheads_k divides nheads:
             grouped-query / multi-query attention when smaller, query head h reading K/V head
             ``h // (nheads // nheads_k)``; dK and dV sum over the query heads of a group inside the kernel (fp32).
-        v: ``(batch, seqlen_k, nheads_k, head_dim)``, same dtype and device as q.
-            head_dim is any multiple of 8 from 8 to 256 (it runs on the 64, 128 or 256 kernels, the smallest that
-            holds it: the extra columns are zeros that are never read from or written to the tensors, so the result
-            is exactly that of the true head_dim); seqlen_q, seqlen_k >= 0 and may differ. Only the last dimension
+        v: ``(batch, seqlen_k, nheads_k, head_dim_v)``, same dtype and device as q; head_dim_v may differ from
+            head_dim (e.g. 192 and 128 as in DeepSeek-V2/V3). head_dim and head_dim_v are any multiples of 8 from 8 to
+            256 (they run on the 64, 128 or 256 kernels, the smallest that holds the larger: the extra columns are
+            zeros that are never read from or written to the tensors, so the result is exactly that of the true
+            sizes); seqlen_q, seqlen_k >= 0 and may differ. Only the last dimension
             must be contiguous (stride 1); other strides are read in place (q, k, v may be slices of one packed
             tensor) when they are multiples of 16 bytes and the base is 16-byte aligned, otherwise the tensor
             is copied first.
-        softmax_scale: multiplier of Q Kᵀ before the softmax (unitless); default ``1 / sqrt(head_dim)``.
+        softmax_scale: multiplier of Q Kᵀ before the softmax (unitless); default ``1 / sqrt(head_dim)`` (q's
+            head_dim, not v's).
         causal: if True, query row i sees key j only when ``j <= i + seqlen_k - seqlen_q`` (causal mask
             aligned to the bottom-right corner; note SDPA's ``is_causal`` is aligned top-left). The same as
             ``window_size=(-1, 0)``.
@@ -227,7 +234,7 @@ def attention(
             speed); if False (default) they are added as they finish and the last bits may differ between runs.
 
     Returns:
-        ``out`` of shape ``(batch, seqlen_q, nheads, head_dim)`` in q's dtype, or ``(out, lse)`` with ``lse``
+        ``out`` of shape ``(batch, seqlen_q, nheads, head_dim_v)`` in q's dtype, or ``(out, lse)`` with ``lse``
         float32 ``(batch, nheads, seqlen_q)``, natural log. A query row that sees no key (causal with
         seqlen_q > seqlen_k, or a window that misses every key) has an output row of exactly 0 and LSE ``-inf``.
 
@@ -235,10 +242,10 @@ def attention(
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
             softmax_scale or softcap is not a real number; causal or deterministic is not a bool; window_size is not a
             pair of ints.
-        ValueError: rank is not 4; batch or head_dim differ between q, k, v; k and v differ in nheads_k, or
-            nheads is not a multiple of nheads_k; seqlen_k differs between
-            k and v; batch or nheads above 65535; head_dim is not a multiple of 8 in [8, 256] (or its kernel size,
-            64/128/256, is not in this build); the last dimension's stride is not 1;
+        ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
+            nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between
+            k and v; batch or nheads above 65535; head_dim or head_dim_v is not a multiple of 8 in [8, 256] (or the
+            kernel size of the larger, 64/128/256, is not in this build); the last dimension's stride is not 1;
             a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;
             softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right
             side > 0; softcap is negative or not finite, or softmax_scale / softcap is not a normal float32.
@@ -263,7 +270,7 @@ def attention(
     if not torch.compiler.is_compiling():
         # Host queries, left out of a torch.compile graph (the op repeats both checks at run time).
         _check_sm90("q", q.device)
-        _check_compiled(q.shape[-1], q.dtype)
+        _check_compiled(q.shape[-1], q.dtype, v.shape[-1])
     # The registered op (its autograd formula is in C++, its fake kernel in _ops.py): one graph node under
     # torch.compile, and in eager mode no Python between the forward and the backward kernels.
     out, lse = torch.ops.flash_attn_hopper.fwd.default(
@@ -352,8 +359,9 @@ def attention_varlen(
 
     Args:
         q: ``(total_q, nheads, head_dim)``, torch.float16 or torch.bfloat16, on an sm90 CUDA device.
-        k, v: ``(total_k, nheads_k, head_dim)``, same dtype and device; nheads_k divides nheads (GQA/MQA). head_dim
-            is any multiple of 8 from 8 to 256, as for ``attention``.
+        k: ``(total_k, nheads_k, head_dim)``, v: ``(total_k, nheads_k, head_dim_v)``, same dtype and device; nheads_k
+            divides nheads (GQA/MQA). head_dim and head_dim_v are any multiples of 8 from 8 to 256, as for
+            ``attention``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on q's device, non-decreasing row offsets (usually starting
             at 0); zero-length sequences are allowed on either side. Rows past ``cu_seqlens_q[-1]`` (or ``[-1]`` of k)
             belong to no sequence.
@@ -362,7 +370,7 @@ def attention_varlen(
         softmax_scale, causal, window_size, softcap, return_lse, deterministic: as ``attention``.
 
     Returns:
-        ``out`` ``(total_q, nheads, head_dim)`` in q's dtype, or ``(out, lse)`` with ``lse`` float32
+        ``out`` ``(total_q, nheads, head_dim_v)`` in q's dtype, or ``(out, lse)`` with ``lse`` float32
         ``(nheads, total_q)`` (natural log). A sequence with no keys gives output rows of 0 and LSE ``-inf``; rows past
         ``cu_seqlens_q[-1]`` get output 0 and LSE ``-inf``, and their gradients (and dK, dV of key rows past
         ``cu_seqlens_k[-1]``) are 0. ``out`` and ``lse`` are differentiable with respect to q, k, v.
@@ -414,7 +422,7 @@ def attention_varlen(
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
     _check_sm90("q", q.device)
-    _check_compiled(q.shape[-1], q.dtype)
+    _check_compiled(q.shape[-1], q.dtype, v.shape[-1])
     last = {}
     for name, cu, rows, max_name, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),

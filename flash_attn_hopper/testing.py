@@ -51,7 +51,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
     """Plain attention in the layout of flash_attn_hopper.attention.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim), nheads_k dividing
-    nheads (GQA/MQA: K/V heads repeated, so autograd sums dK/dV over each group).
+    nheads (GQA/MQA: K/V heads repeated, so autograd sums dK/dV over each group); v's head_dim may differ (out has
+    v's).
     upcast=True computes in float32 (float64 inputs stay float64); upcast=False computes in the input dtype,
     the naive same-precision reference whose error sets the tolerance.
     window_size and softcap as ``flash_attn_hopper.attention`` (scores ``softcap * tanh(S / softcap)``, then the mask).
@@ -158,13 +159,15 @@ def attention_bwd_ref(
 
     A row that sees no key has LSE -inf and P = 0 (not exp(-inf + inf) = NaN), so its dQ row is 0 and it adds
     nothing to dK and dV. Layouts as ``attention_ref``: q (batch, seqlen_q, nheads, head_dim), k and v
-    (batch, seqlen_k, nheads_k, head_dim) (GQA/MQA: dK and dV summed over the query heads of each group), dout like q. upcast=True computes in float32 (float64 stays float64);
+    (batch, seqlen_k, nheads_k, head_dim) (GQA/MQA: dK and dV summed over the query heads of each group; v may have
+    its own head_dim), dout like the output. upcast=True computes in float32 (float64 stays float64);
     upcast=False in the input dtype. Returns (dq, dk, dv) in the compute dtype.
     """
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
     dout = dout.to(q.dtype)
     batch, seqlen_k, nheads_k, head_dim = k.shape
+    head_dim_v = v.shape[-1]  # may differ from head_dim: dv, dout and o have it
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     alpha = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     s = _scores(q, k, alpha, causal, window_size, softcap)
@@ -185,7 +188,7 @@ def attention_bwd_ref(
     dk = alpha * torch.einsum("bhqk,bqhd->bkhd", ds, q)
     group = q.shape[2] // max(nheads_k, 1)
     dk = dk.reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3)
-    dv = dv.reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(dim=3)
+    dv = dv.reshape(batch, seqlen_k, nheads_k, group, head_dim_v).sum(dim=3)
     return dq, dk, dv
 
 

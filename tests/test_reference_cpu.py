@@ -344,3 +344,28 @@ def test_gqa_references_match_sdpa_with_repeated_heads_float64(nheads_k, causal)
         for g, e, like, gname in zip(got_all, expected_grads, (q, k, v), ("dq", "dk", "dv")):
             assert g.shape == like.shape, (name, gname)
             torch.testing.assert_close(g, e, **F64_TOL, msg=lambda m: f"{name} {gname}: {m}")
+
+
+@pytest.mark.parametrize("nheads_k", [1, 3], ids=["mqa", "mha"])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(24, 16), (16, 40)])
+def test_references_with_head_dim_v_match_sdpa_float64(head_dim, head_dim_v, nheads_k):
+    """v (and so out, dout, dv) with its own head_dim: the references against SDPA (which allows it), repeated heads by
+    hand; the default scale is 1/sqrt(q's head_dim)."""
+    seqlen_q, seqlen_k = 13, 21
+    q = _rand(BATCH, seqlen_q, NHEADS, head_dim)
+    k, v = _rand(BATCH, seqlen_k, nheads_k, head_dim), _rand(BATCH, seqlen_k, nheads_k, head_dim_v)
+    dout = _rand(BATCH, seqlen_q, NHEADS, head_dim_v)
+    head_of = torch.arange(NHEADS) // (NHEADS // nheads_k)
+    for causal in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        mask = causal_mask(seqlen_q, seqlen_k) if causal else None
+        expected_out = _sdpa(leaves[0], leaves[1].index_select(2, head_of), leaves[2].index_select(2, head_of),
+                             1 / math.sqrt(head_dim), mask)
+        expected_grads = torch.autograd.grad(expected_out, leaves, dout)
+        out, _ = attention_ref(q, k, v, causal=causal)
+        torch.testing.assert_close(out, expected_out.detach(), **F64_TOL)
+        for name, got_all in (("equations", attention_bwd_ref(q, k, v, dout, causal=causal)),
+                              ("autograd", attention_ref_grads(q, k, v, dout, causal=causal))):
+            for g, e, like, gname in zip(got_all, expected_grads, (q, k, v), ("dq", "dk", "dv")):
+                assert g.shape == like.shape, (name, gname)
+                torch.testing.assert_close(g, e, **F64_TOL, msg=lambda m: f"{name} {gname} causal={causal}: {m}")

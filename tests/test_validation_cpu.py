@@ -141,13 +141,39 @@ def test_zero_kv_heads_need_zero_query_heads():
         attention(q, _shape_with(k, 2, 0), _shape_with(v, 2, 0))
 
 
-@pytest.mark.parametrize("name", ["k", "v"])
-def test_head_dim_mismatch(name):
+def test_head_dim_mismatch_k():
     q, k, v = _qkv()
-    bad = _shape_with({"k": k, "v": v}[name], 3, 128)
-    q, k, v = _replace(name, bad, q, k, v)
-    with pytest.raises(ValueError, match=rf"^{name} has head_dim 128 but q has head_dim {D}"):
+    with pytest.raises(ValueError, match=rf"^k has head_dim 128 but q has head_dim {D}"):
+        attention(q, _shape_with(k, 3, 128), v)
+    q, k, v, cu_q, cu_k = _varlen_args()
+    with pytest.raises(ValueError, match=rf"^k has head_dim 128 but q has head_dim {D}"):
+        flash_attn_hopper.attention_varlen(q, _shape_with(k, 2, 128), v, cu_q, cu_k, 20, 20)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (128, 64), (64, 128), (40, 72), (256, 128), (8, 256)])
+def test_head_dim_v_may_differ(head_dim, head_dim_v):
+    """v's head_dim (that of out) may differ from q's and k's, each a multiple of 8 in [8, 256]: the shape checks
+    pass (the call then fails only on the device, CPU here), dense and varlen."""
+    q, k, v = _qkv(head_dim=head_dim)
+    v = _shape_with(v, 3, head_dim_v)
+    interface._check_tensor_args(q, k, v)
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'.*CUDA"):
         attention(q, k, v)
+    q, k, v, cu_q, cu_k = _varlen_args(head_dim=head_dim)
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'.*CUDA"):
+        flash_attn_hopper.attention_varlen(q, k, _shape_with(v, 2, head_dim_v), cu_q, cu_k, 20, 20)
+
+
+@pytest.mark.parametrize("head_dim_v", [0, 4, 12, 100, 260, 264])
+def test_unsupported_head_dim_v(head_dim_v):
+    """v's head_dim follows the same rule as q's, and the error names v."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=rf"^v has head_dim {head_dim_v}; supported head_dim values are") as info:
+        attention(q, k, _shape_with(v, 3, head_dim_v))
+    assert "multiples of 8 from 8 to 256" in str(info.value)
+    q, k, v, cu_q, cu_k = _varlen_args()
+    with pytest.raises(ValueError, match=rf"^v has head_dim {head_dim_v}; supported head_dim values are"):
+        flash_attn_hopper.attention_varlen(q, k, _shape_with(v, 2, head_dim_v), cu_q, cu_k, 20, 20)
 
 
 @pytest.mark.parametrize("head_dim", [0, 1, 4, 12, 20, 100, 130, 255, 260, 264, 512])
@@ -422,6 +448,20 @@ def test_check_compiled_names_head_dim_and_dtype(monkeypatch):
     with pytest.raises(TypeError, match=r"^q has dtype torch\.bfloat16, which this build does not include"):
         interface._check_compiled(128, torch.bfloat16)
     assert interface._check_compiled(128, torch.float16) is None
+
+
+def test_check_compiled_uses_the_larger_of_head_dim_and_head_dim_v(monkeypatch):
+    """With v's head_dim differing, the kernel is that of the larger one; the error names both."""
+    monkeypatch.setattr(_ops, "_compiled", lambda: ((128,), (torch.float16,)))
+    for head_dim, head_dim_v in ((128, 64), (64, 128), (40, 72), (72, 72)):
+        assert interface._check_compiled(head_dim, torch.float16, head_dim_v) is None
+    for head_dim, head_dim_v in ((192, 128), (128, 256)):
+        with pytest.raises(
+            ValueError,
+            match=rf"^q has head_dim {head_dim} and v head_dim {head_dim_v} \(run by the head_dim 256 kernels\), "
+            "which this build does not include",
+        ):
+            interface._check_compiled(head_dim, torch.float16, head_dim_v)
 
 
 def test_check_compiled_uses_the_rounded_head_dim(monkeypatch):

@@ -43,6 +43,10 @@ int padded_head_dim(int64_t head_dim) {
   return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
 }
 
+// The head_dim that picks the kernels: the larger of q/k's and v's (the tile width holds both; the narrower one's
+// padded columns are zeros on load and never stored).
+int kernel_head_dim(at::Tensor const& q, at::Tensor const& v) { return int(std::max(q.size(-1), v.size(-1))); }
+
 Kernels select_kernels(int head_dim, at::ScalarType dtype) {
   bool const bf16 = dtype == at::kBFloat16;
   int const padded = padded_head_dim(head_dim);
@@ -92,27 +96,31 @@ std::string build_config() {
   return "head_dims=" + hdims + ";dtypes=" + dtypes;
 }
 
-void check_qkv(at::Tensor const& t, char const* name, at::Tensor const& q) {
+// head_dim: the last dim t must have (q's for k, v's for out and dout; -1: not checked here).
+void check_qkv(at::Tensor const& t, char const* name, at::Tensor const& q, int64_t head_dim) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
   TORCH_CHECK(t.device() == q.device(), name, " must be on the same device as q");
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, " must have the dtype of q");
   TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (batch, seqlen, nheads, head_dim)");
-  TORCH_CHECK(t.size(0) == q.size(0) && t.size(3) == q.size(3), name, " must match q in batch and head_dim");
+  TORCH_CHECK(t.size(0) == q.size(0), name, " must match q in batch");
+  TORCH_CHECK(head_dim < 0 || t.size(3) == head_dim, name, " must have head_dim ", head_dim, ", got ", t.size(3));
 }
 
-// The checks fwd and bwd share: dtypes, ranks, devices, batch and head_dim; k and v share seqlen_k and nheads_k,
-// which divides q's nheads (GQA/MQA when smaller); the scale; the grid limits of batch and nheads.
+// The checks fwd and bwd share: dtypes, ranks, devices, batch, head_dim (k's that of q; v's head_dim_v may differ);
+// k and v share seqlen_k and nheads_k, which divides q's nheads (GQA/MQA when smaller); the scale; the grid limits of
+// batch and nheads.
 void check_attention_inputs(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, double softmax_scale) {
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
-  check_qkv(q, "q", q);
-  check_qkv(k, "k", q);
-  check_qkv(v, "v", q);
+  check_qkv(q, "q", q, -1);
+  check_qkv(k, "k", q, q.size(3));
+  check_qkv(v, "v", q, -1);
   int64_t const nheads = q.size(2), nheads_k = k.size(2);
   TORCH_CHECK(v.size(2) == nheads_k, "k and v must have the same nheads_k");
   TORCH_CHECK(nheads_k == 0 ? nheads == 0 : nheads % nheads_k == 0,
               "q's nheads must be a multiple of k's and v's nheads_k, got ", nheads, " and ", nheads_k);
   TORCH_CHECK(k.size(1) == v.size(1), "k and v must have the same seqlen_k");
   TORCH_CHECK(padded_head_dim(q.size(3)) != 0, "head_dim must be a multiple of 8 in [8, 256], got ", q.size(3));
+  TORCH_CHECK(padded_head_dim(v.size(3)) != 0, "v's head_dim must be a multiple of 8 in [8, 256], got ", v.size(3));
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   TORCH_CHECK(nheads <= 65535 && q.size(0) <= 65535, "nheads and batch must be at most 65535");
   // The kernels' mask and tile sums (flash/common/mask.hpp) stay in int for lengths below 2^30.
@@ -246,7 +254,7 @@ void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::T
                 at::Tensor const& out, at::Tensor const& lse, Varlen const& varlen, double softmax_scale,
                 ScoreOptions const& opts) {
   bool const is_varlen = varlen.cu_seqlens_q != nullptr;
-  int const head_dim = q_in.size(3);
+  int const head_dim = q_in.size(3), head_dim_v = v_in.size(3);
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
   at::Tensor o = out.dim() == 3 ? out.unsqueeze(0) : out;
 
@@ -260,7 +268,7 @@ void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::T
   p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
   p.o_batch_stride = o.stride(0), p.o_row_stride = o.stride(1), p.o_head_stride = o.stride(2);
-  p.nheads = q.size(2), p.nheads_k = int(k.size(2)), p.head_dim = head_dim;
+  p.nheads = q.size(2), p.nheads_k = int(k.size(2)), p.head_dim = head_dim, p.head_dim_v = head_dim_v;
   if (is_varlen) {
     p.batch = varlen.batch, p.seqlen_q = varlen.max_seqlen_q, p.seqlen_k = varlen.max_seqlen_k;
     p.cu_seqlens_q = varlen.cu_seqlens_q, p.cu_seqlens_k = varlen.cu_seqlens_k;
@@ -288,13 +296,14 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
                                        double softcap, bool /*deterministic*/) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
-  int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
-  int const seqlen_k = k_in.size(1);
-  FwdFn const run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).fwd, head_dim, q_in.scalar_type());
+  int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim_v = v_in.size(3);
+  int const seqlen_k = k_in.size(1), kernel_hdim = kernel_head_dim(q_in, v_in);
+  FwdFn const run =
+      require_kernel(select_kernels(kernel_hdim, q_in.scalar_type()).fwd, kernel_hdim, q_in.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
-  at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim}, q_in.options());
+  at::Tensor out = at::empty({batch, seqlen_q, nheads, head_dim_v}, q_in.options());
   at::Tensor lse = at::empty({batch, nheads, seqlen_q}, q_in.options().dtype(at::kFloat));
   if (out.numel() == 0 || seqlen_k == 0) {  // nothing to attend to: rows are 0, LSE -inf; no launch
     out.zero_();
@@ -305,8 +314,9 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
   return {out, lse};
 }
 
-// q (total_q, nheads, head_dim), k/v (total_k, nheads_k, head_dim) -> out like q, lse (nheads, total_q). Rows no
-// sequence covers (past cu_seqlens[-1]) get out 0 and LSE -inf.
+// q (total_q, nheads, head_dim), k (total_k, nheads_k, head_dim), v (total_k, nheads_k, head_dim_v) -> out
+// (total_q, nheads, head_dim_v), lse (nheads, total_q). Rows no sequence covers (past cu_seqlens[-1]) get out 0 and
+// LSE -inf.
 std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
                                               at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
                                               int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
@@ -318,12 +328,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q_in, at::Tensor
   check_attention_inputs(q, k, v, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
   Varlen const varlen = check_varlen(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  FwdFn const run = require_kernel(select_kernels(q.size(3), q.scalar_type()).fwd, q.size(3), q.scalar_type());
+  int const kernel_hdim = kernel_head_dim(q, v);
+  FwdFn const run = require_kernel(select_kernels(kernel_hdim, q.scalar_type()).fwd, kernel_hdim, q.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
   // Zeroed / -inf first: rows past cu_seqlens_q[-1] belong to no sequence and are never written by the kernel.
-  at::Tensor out = at::zeros(q_in.sizes(), q_in.options());
+  at::Tensor out = at::zeros({q_in.size(0), q_in.size(1), v_in.size(2)}, q_in.options());
   at::Tensor lse = at::full({q_in.size(1), q_in.size(0)}, -INFINITY, q_in.options().dtype(at::kFloat));
   if (varlen.batch == 0 || out.numel() == 0 || k_in.size(0) == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
     return {out, lse};
@@ -340,14 +351,14 @@ at::Tensor contiguous_dlse(std::optional<at::Tensor> const& dlse_in, at::Tensor 
   return dlse_in->contiguous();  // the gradient of lse.sum() arrives expanded (stride 0)
 }
 
-// Backward of checked (batch, rows, nheads, head_dim) views (batch 1 and packed rows when varlen) into dq, dk, dv
-// (allocated by the caller, in the layout of q, k, v).
+// Backward of checked (batch, rows, nheads, head_dim) views (batch 1 and packed rows when varlen; v, out, dout with
+// head_dim_v) into dq, dk, dv (allocated by the caller, in the layout of q, k, v).
 void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in,
                 at::Tensor const& v_in, at::Tensor const& out_in, at::Tensor const& lse, at::Tensor const& dlse, at::Tensor const& dq,
                 at::Tensor const& dk, at::Tensor const& dv, Varlen const& varlen, double softmax_scale,
                 ScoreOptions const& opts, bool deterministic) {
   bool const is_varlen = varlen.cu_seqlens_q != nullptr;
-  int const nheads = q_in.size(2), head_dim = q_in.size(3), nheads_k = k_in.size(2);
+  int const nheads = q_in.size(2), head_dim = q_in.size(3), head_dim_v = v_in.size(3), nheads_k = k_in.size(2);
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
   at::Tensor out = tma_ready(out_in), dout = tma_ready(dout_in);
 
@@ -361,8 +372,8 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   TORCH_CHECK(rows <= INT32_MAX, "too many query rows for the backward's workspace");
   int64_t const ws_outer = is_varlen ? int64_t(nheads) : int64_t(batch) * nheads;
   auto f32 = q.options().dtype(at::kFloat);
-  // Rows of the padded width: the kernels index the dQ accumulator with their compile-time head_dim.
-  at::Tensor dq_accum = zeroed({ws_outer, rows, int64_t(padded_head_dim(head_dim))}, f32);
+  // Rows of the kernel's width (that of the larger head dim): the kernels index the dQ accumulator with it.
+  at::Tensor dq_accum = zeroed({ws_outer, rows, int64_t(padded_head_dim(std::max(head_dim, head_dim_v)))}, f32);
   at::Tensor lse_log2 = at::empty({ws_outer, rows}, f32);
   at::Tensor dpsum = at::empty({ws_outer, rows}, f32);
   // GQA/MQA: the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
@@ -408,7 +419,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   p.dk_batch_stride = dk4.stride(0), p.dk_row_stride = dk4.stride(1), p.dk_head_stride = dk4.stride(2);
   p.dv_batch_stride = dv4.stride(0), p.dv_row_stride = dv4.stride(1), p.dv_head_stride = dv4.stride(2);
   p.batch = batch, p.nheads = nheads, p.nheads_k = nheads_k, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
-  p.seqlen_q_rounded = int(rows), p.head_dim = head_dim;
+  p.seqlen_q_rounded = int(rows), p.head_dim = head_dim, p.head_dim_v = head_dim_v;
   if (is_varlen) {
     p.cu_seqlens_q = varlen.cu_seqlens_q, p.cu_seqlens_k = varlen.cu_seqlens_k;
     p.total_q = int(q.size(1)), p.total_k = int(k.size(1));
@@ -435,17 +446,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
                                                    double softcap, bool deterministic) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
-  check_qkv(out_in, "out", q_in);
-  check_qkv(dout_in, "dout", q_in);
-  TORCH_CHECK(out_in.sizes() == q_in.sizes() && dout_in.sizes() == q_in.sizes(),
-              "out and dout must have the shape of q");
-  int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim = q_in.size(3);
+  int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim_v = v_in.size(3);
+  check_qkv(out_in, "out", q_in, head_dim_v);
+  check_qkv(dout_in, "dout", q_in, head_dim_v);
+  TORCH_CHECK(out_in.sizes() == dout_in.sizes() && out_in.size(1) == seqlen_q && out_in.size(2) == nheads,
+              "out and dout must be (batch, seqlen_q, nheads, head_dim_v): q's shape with v's head_dim");
   TORCH_CHECK(lse.is_cuda() && lse.device() == q_in.device() && lse.scalar_type() == at::kFloat &&
                   lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == nheads &&
                   lse.size(2) == seqlen_q,
               "lse must be the contiguous float32 (batch, nheads, seqlen_q) tensor of the forward");
   at::Tensor dlse = contiguous_dlse(dlse_in, lse, q_in);
-  BwdFn const run = require_kernel(select_kernels(head_dim, q_in.scalar_type()).bwd, head_dim, q_in.scalar_type());
+  int const kernel_hdim = kernel_head_dim(q_in, v_in);
+  BwdFn const run =
+      require_kernel(select_kernels(kernel_hdim, q_in.scalar_type()).bwd, kernel_hdim, q_in.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
@@ -473,15 +486,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
   at::Tensor out = out_in.unsqueeze(0), dout = dout_in.unsqueeze(0);
   check_attention_inputs(q, k, v, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
-  check_qkv(out, "out", q);
-  check_qkv(dout, "dout", q);
-  TORCH_CHECK(out.sizes() == q.sizes() && dout.sizes() == q.sizes(), "out and dout must have the shape of q");
+  check_qkv(out, "out", q, v.size(3));
+  check_qkv(dout, "dout", q, v.size(3));
+  TORCH_CHECK(out.sizes() == dout.sizes() && out.size(1) == q.size(1) && out.size(2) == q.size(2),
+              "out and dout must be (total_q, nheads, head_dim_v): q's shape with v's head_dim");
   Varlen const varlen = check_varlen(q_in, k_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   TORCH_CHECK(lse.is_cuda() && lse.device() == q_in.device() && lse.scalar_type() == at::kFloat &&
                   lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == q_in.size(1) && lse.size(1) == q_in.size(0),
               "lse must be the contiguous float32 (nheads, total_q) tensor of the forward");
   at::Tensor dlse = contiguous_dlse(dlse_in, lse, q_in);
-  BwdFn const run = require_kernel(select_kernels(q.size(3), q.scalar_type()).bwd, q.size(3), q.scalar_type());
+  int const kernel_hdim = kernel_head_dim(q, v);
+  BwdFn const run = require_kernel(select_kernels(kernel_hdim, q.scalar_type()).bwd, kernel_hdim, q.scalar_type());
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);

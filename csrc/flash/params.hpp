@@ -6,12 +6,13 @@
 namespace flash {
 
 struct FwdParams {
-  // q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim); last dim stride 1.
+  // q: (batch, seqlen_q, nheads, head_dim); k: (batch, seqlen_k, nheads_k, head_dim); v: (batch, seqlen_k,
+  // nheads_k, head_dim_v); last dim stride 1.
   // nheads_k divides nheads: query head h reads K/V head h / (nheads / nheads_k) (GQA/MQA; MHA when equal).
   void const* q_ptr;
   void const* k_ptr;
   void const* v_ptr;
-  void* o_ptr;      // (batch, seqlen_q, nheads, head_dim), written
+  void* o_ptr;      // (batch, seqlen_q, nheads, head_dim_v), written
   float* lse_ptr;   // (batch, nheads, seqlen_q) contiguous, natural log, written
 
   int64_t q_batch_stride, q_row_stride, q_head_stride;
@@ -24,12 +25,14 @@ struct FwdParams {
   int nheads_k;
   int seqlen_q;
   int seqlen_k;
-  // The caller's head_dim: a multiple of 8 up to the kernel's compile-time width kHeadDim (64, 128 or 256); the
-  // columns past it are zero-filled on load and never stored.
+  // The caller's head dims of Q/K and of V/O: multiples of 8 up to the kernel's compile-time width kHeadDim (64, 128
+  // or 256, holding the larger); the columns past them are zero-filled on load and never stored.
   int head_dim;
-  // Variable-length batches (null for dense ones): q/o are (total_q, nheads, head_dim) and k/v (total_k, nheads_k,
-  // head_dim), sequence b at rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and [cu_seqlens_k[b], cu_seqlens_k[b + 1]);
-  // seqlen_q/k are then upper bounds of the lengths, batch strides are unused and lse is (nheads, total_q).
+  int head_dim_v;
+  // Variable-length batches (null for dense ones): q/o are (total_q, nheads, head_dim{,_v}) and k/v (total_k,
+  // nheads_k, head_dim{,_v}), sequence b at rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and [cu_seqlens_k[b],
+  // cu_seqlens_k[b + 1]); seqlen_q/k are then upper bounds of the lengths, batch strides are unused and lse is
+  // (nheads, total_q).
   int const* cu_seqlens_q;
   int const* cu_seqlens_k;
   int total_q, total_k;
@@ -51,14 +54,14 @@ struct BwdParams {
   void const* q_ptr;
   void const* k_ptr;
   void const* v_ptr;
-  void const* o_ptr;
+  void const* o_ptr;     // o and do: (batch, seqlen_q, nheads, head_dim_v)
   void const* do_ptr;
   float const* lse_ptr;  // (batch, nheads, seqlen_q) contiguous, natural log, from the forward
   void* dq_ptr;          // (batch, seqlen_q, nheads, head_dim), written
   void* dk_ptr;          // (batch, seqlen_k, nheads_k, head_dim), written (MHA only)
-  void* dv_ptr;          // (batch, seqlen_k, nheads_k, head_dim), written (MHA only)
+  void* dv_ptr;          // (batch, seqlen_k, nheads_k, head_dim_v), written (MHA only)
   // GQA/MQA (nheads_k < nheads): the query heads of a group add their dK (already scaled) and dV into these
-  // zeroed fp32 (batch, seqlen_k, nheads_k, head_dim) contiguous buffers instead; the host converts them.
+  // zeroed fp32 contiguous buffers shaped like k and v instead; the host converts them.
   float* dk_accum_ptr;
   float* dv_accum_ptr;
 
@@ -83,7 +86,8 @@ struct BwdParams {
   int seqlen_q;
   int seqlen_k;
   int seqlen_q_rounded;  // workspace rows per (batch, head); varlen: per head (see flash/common/seqlen.hpp)
-  int head_dim;          // as FwdParams; dq_accum rows are the kernel's kHeadDim wide, dk/dv_accum rows head_dim
+  int head_dim;          // as FwdParams; dq_accum rows are the kernel's kHeadDim wide, dk_accum rows head_dim
+  int head_dim_v;        // of v, o, do, dv and dv_accum's rows
   // Variable-length batches, as FwdParams (null for dense ones); dq/dk/dv like q/k/v, lse and dlse (nheads, total_q).
   int const* cu_seqlens_q;
   int const* cu_seqlens_k;

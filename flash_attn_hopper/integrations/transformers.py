@@ -23,9 +23,10 @@ Usage::
 What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, sliding windows
 (``config.sliding_window``, e.g. Mistral, Gemma 2's local layers), attention logit soft-capping (Gemma 2's
 ``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim a multiple
-of 8 up to 256, padded batches (a 2D attention_mask: left or right padding, run through ``attention_varlen``; not
-under torch.compile's fullgraph, which cannot trace the mask's host read), packed sequences in one row
-(DataCollatorWithFlattening: from position_ids or its flash-attention keyword arguments, run by
+of 8 up to 256 (value's may differ from query's and key's), padded batches (a 2D attention_mask: left or right
+padding, run through ``attention_varlen``; not under torch.compile's fullgraph, which cannot trace the mask's host
+read), packed sequences in one row (DataCollatorWithFlattening: from position_ids or its flash-attention keyword
+arguments, run by
 ``attention_varlen``), a DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in
 transformers' flash-attention path).
 Everything else raises a Python exception, naming what is unsupported, before any kernel runs.
@@ -88,8 +89,9 @@ def flash_attn_hopper_attention_forward(
         module: the calling attention module. Read: ``is_causal`` (used when the ``is_causal`` argument is None;
             default True) and, for messages, ``layer_idx``.
         query: ``(batch, nheads, seqlen_q, head_dim)``.
-        key, value: ``(batch, nheads_k, seqlen_k, head_dim)``; nheads_k divides nheads (grouped-query / multi-query
-            attention when smaller: passed to the kernel as they are, never repeated in memory).
+        key, value: ``(batch, nheads_k, seqlen_k, head_dim)`` and ``(batch, nheads_k, seqlen_k, head_dim_v)``
+            (head_dim_v may differ, e.g. DeepSeek-V2/V3's 192 / 128); nheads_k divides nheads (grouped-query /
+            multi-query attention when smaller: passed to the kernel as they are, never repeated in memory).
             Dtypes: float16 or bfloat16 (all three the same). Under ``torch.autocast`` on the tensors' device, every
             input is first cast to the autocast dtype, as autocast does for SDPA: with float32 weights, Llama's query
             and key are float32 after the rotary embedding while value is already bfloat16. Only the last dimension
@@ -120,7 +122,7 @@ def flash_attn_hopper_attention_forward(
             are formed). Other keyword arguments (``use_cache``, ...) are ignored.
 
     Returns:
-        ``(attn_output, None)``: ``attn_output`` of shape ``(batch, seqlen_q, nheads, head_dim)`` in the compute dtype
+        ``(attn_output, None)``: ``attn_output`` of shape ``(batch, seqlen_q, nheads, head_dim_v)`` in the compute dtype
         (q's dtype, or the autocast dtype), differentiable with respect to query, key and value.
 
     Raises:

@@ -87,19 +87,23 @@ struct BwdTraitsBase {
     TmaKV tma_v;
     TmaDQ tma_dq;
     ShapeQKV shape_q;
+    ShapeQKV shape_do;  // dO and V: head_dim_v in place of head_dim
     ShapeQKV shape_k;
+    ShapeQKV shape_v;
     int32_t dq_accum_rows;  // rows of the (rows, 128) view of the dQ accumulator
     Element* dk_ptr;
     Element* dv_ptr;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    int head_dim;  // the caller's, <= kHeadDim (a multiple of 8): dK/dV columns at or past it are not written
+    // The caller's, <= kHeadDim (multiples of 8): dK columns at or past head_dim, dV ones at or past head_dim_v are
+    // not written.
+    int head_dim, head_dim_v;
     float* dq_accum_ptr;  // (rows, kHeadDim): the workspace keeps the padded width
     float const* lse_log2_ptr;
     float const* dpsum_ptr;
     float* dk_accum_ptr;  // GQA/MQA: fp32 (batch, seqlen_k, nheads_k, head_dim) or (total_k, ...) sums, rows of the
                           // caller's head_dim; else null
-    float* dv_accum_ptr;
+    float* dv_accum_ptr;  // as dk_accum_ptr with head_dim_v
     int nheads, nheads_k, seqlen_q, seqlen_k;  // varlen: upper bounds of the lengths
     int seqlen_q_rounded;                      // workspace rows per (batch, head), or per head when varlen
     int const* cu_seqlens_q;                   // varlen: (batch + 1) row offsets; else null
@@ -269,16 +273,16 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});   // (N, d)
 
   // This sequence's rows (varlen: from its row offset; rows past it are loaded but never used).
-  auto rows_q = [&](auto const& tma) {
-    return domain_offset(make_coord(info.offset_q, _0{}), tma.get_tma_tensor(params.shape_q)(_, _, bidh, info.bidb));
+  auto rows_q = [&](auto const& tma, auto const& shape) {
+    return domain_offset(make_coord(info.offset_q, _0{}), tma.get_tma_tensor(shape)(_, _, bidh, info.bidb));
   };
-  Tensor mQ = rows_q(params.tma_q);
-  Tensor mdO = rows_q(params.tma_do);
+  Tensor mQ = rows_q(params.tma_q, params.shape_q);
+  Tensor mdO = rows_q(params.tma_do, params.shape_do);
   int const bidh_kv = bidh / (params.nheads / params.nheads_k);
   Tensor mK = domain_offset(make_coord(info.offset_k, _0{}),
                             params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
   Tensor mV = domain_offset(make_coord(info.offset_k, _0{}),
-                            params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
+                            params.tma_v.get_tma_tensor(params.shape_v)(_, _, bidh_kv, info.bidb));
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));    // (M, d, m_blocks)
   Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m_blocks)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));  // (N, d)
@@ -354,7 +358,8 @@ CUTLASS_DEVICE void for_each_row_pair(TensorAcc const& acc, TensorCoord const& c
 }
 
 // Epilogue of both consumers: dV and α·dK for the keys of this block that exist (zeros when no query sees them),
-// written directly (MHA) or added into the group's fp32 sums (GQA/MQA); only the caller's head_dim columns.
+// written directly (MHA) or added into the group's fp32 sums (GQA/MQA); only the caller's head_dim (dK) and
+// head_dim_v (dV) columns.
 template <class Traits, bool kDeterministic, class TensorAcc>
 CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc const& tdVrdV,
                               TensorAcc const& tdKrdK, int mma_tidx, int n_block, int bidh, SeqlenInfo const& info) {
@@ -365,9 +370,8 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
   int const key_offset = n_block * kBlockN;
   if (params.dk_accum_ptr != nullptr) {
     int const bidh_kv = bidh / (params.nheads / params.nheads_k);
-    int64_t const row_stride = int64_t(params.nheads_k) * params.head_dim;
-    int64_t const offset =
-        ((int64_t(info.bidb) * params.seqlen_k + info.offset_k) * params.nheads_k + bidh_kv) * params.head_dim;
+    // Rows (b, key) of nheads_k * head_dim{,_v} floats: the host's contiguous k- and v-shaped sums.
+    int64_t const row = (int64_t(info.bidb) * params.seqlen_k + info.offset_k) * params.nheads_k + bidh_kv;
     // float2 atomics: the query heads of a group add into the same rows; in deterministic mode in head order.
     int* sem = nullptr;
     if constexpr (kDeterministic) {
@@ -381,10 +385,10 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
         atomicAdd(reinterpret_cast<float2*>(base + idx), make_float2(x0 * scale, x1 * scale));
       };
     };
-    for_each_row_pair(tdVrdV, tdKVcdKV, row_stride, key_offset, info.seqlen_k, params.head_dim,
-                      add(params.dv_accum_ptr + offset, 1.f));
-    for_each_row_pair(tdKrdK, tdKVcdKV, row_stride, key_offset, info.seqlen_k, params.head_dim,
-                      add(params.dk_accum_ptr + offset, params.softmax_scale));
+    for_each_row_pair(tdVrdV, tdKVcdKV, int64_t(params.nheads_k) * params.head_dim_v, key_offset, info.seqlen_k,
+                      params.head_dim_v, add(params.dv_accum_ptr + row * params.head_dim_v, 1.f));
+    for_each_row_pair(tdKrdK, tdKVcdKV, int64_t(params.nheads_k) * params.head_dim, key_offset, info.seqlen_k,
+                      params.head_dim, add(params.dk_accum_ptr + row * params.head_dim, params.softmax_scale));
     if constexpr (kDeterministic) {
       __threadfence();
       cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1);
@@ -400,7 +404,7 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
         *reinterpret_cast<cutlass::Array<Element, 2>*>(base + idx) = pair;
       };
     };
-    for_each_row_pair(tdVrdV, tdKVcdKV, params.dv_row_stride, key_offset, info.seqlen_k, params.head_dim,
+    for_each_row_pair(tdVrdV, tdKVcdKV, params.dv_row_stride, key_offset, info.seqlen_k, params.head_dim_v,
                       store(params.dv_ptr + info.bidb * params.dv_batch_stride + info.offset_k * params.dv_row_stride +
                                 bidh * params.dv_head_stride,
                             1.f));

@@ -26,7 +26,10 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>>;
   // Any head_dim that is a multiple of 8 up to the tile width (as the forward): Q, dO, K, V columns past it load as
   // zeros, so the padded columns of dQ, dK, dV are zeros too, and they are never stored to the caller's tensors.
-  if (p.head_dim <= 0 || p.head_dim > kHeadDim || p.head_dim % 8 != 0) { return cudaErrorInvalidValue; }
+  // V, O, dO, dV have their own head_dim_v (the kernel is the one of the larger): same rule.
+  for (int d : {p.head_dim, p.head_dim_v}) {
+    if (d <= 0 || d > kHeadDim || d % 8 != 0) { return cudaErrorInvalidValue; }
+  }
   bool const gqa = p.nheads_k != p.nheads;
   // Deterministic mode needs the dQ counters, and with GQA the dK/dV ones too.
   bool const half_deterministic = (p.dq_semaphore != nullptr) && gqa && (p.dkv_semaphore == nullptr);
@@ -58,13 +61,13 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
 
   // Varlen: the packed rows as one batch element; sequences are found by row offsets in the kernels.
   int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
-  auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
-    return make_qkv_gmem<Element>(ptr, seqlen, p.head_dim, nheads, varlen ? 1 : p.batch, row, head, batch);
+  auto gmem = [&](void const* ptr, int seqlen, int head_dim, int nheads, int64_t row, int64_t head, int64_t batch) {
+    return make_qkv_gmem<Element>(ptr, seqlen, head_dim, nheads, varlen ? 1 : p.batch, row, head, batch);
   };
-  auto mQ = gmem(p.q_ptr, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mdO = gmem(p.do_ptr, rows_q, p.nheads, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
-  auto mK = gmem(p.k_ptr, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = gmem(p.v_ptr, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mQ = gmem(p.q_ptr, rows_q, p.head_dim, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mdO = gmem(p.do_ptr, rows_q, p.head_dim_v, p.nheads, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
+  auto mK = gmem(p.k_ptr, rows_k, p.head_dim, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = gmem(p.v_ptr, rows_k, p.head_dim_v, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   auto q_tile = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   auto kv_tile = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
@@ -83,7 +86,9 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, mDQaccum, typename Traits::SmemLayoutDQChunk{}),
       mQ.shape(),
+      mdO.shape(),
       mK.shape(),
+      mV.shape(),
       int32_t(dq_accum_rows),
       static_cast<Element*>(p.dk_ptr),
       static_cast<Element*>(p.dv_ptr),
@@ -94,6 +99,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       p.dv_row_stride,
       p.dv_head_stride,
       p.head_dim,
+      p.head_dim_v,
       p.dq_accum_ptr,
       p.lse_log2_ptr,
       p.dpsum_ptr,

@@ -3,8 +3,8 @@
 //                LSE_log2 = +inf, and +inf too for rows that saw no key, so that P = exp2(x·scale_log2 − LSE_log2)
 //                is 0 there). dLSE (when the loss uses the LSE) folds into D because dS = P ∘ (dP − D) + P ∘ dLSE.
 //   postprocess: dQ = softmax_scale · dQ_accum, converted to the input dtype, into dQ's strided layout.
-// dQ_accum rows are kHeadDim floats wide (the padded tile width); O, dO and dQ are read and written only in their
-// first p.head_dim columns (the caller's head_dim, a multiple of 8: whole vectors of 8).
+// dQ_accum rows are kHeadDim floats wide (the padded tile width); O and dO are read only in their first
+// p.head_dim_v columns, dQ written only in its first p.head_dim (the caller's, multiples of 8: whole vectors of 8).
 #pragma once
 
 #include <cmath>
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
     CUTLASS_PRAGMA_UNROLL
     for (int c0 = 0; c0 < kHeadDim; c0 += kLanes * kVec) {
       int const c = c0 + lane * kVec;
-      if (c < p.head_dim) {
+      if (c < p.head_dim_v) {
         auto ov = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(o + c);
         auto dv = *reinterpret_cast<cutlass::Array<Element, kVec> const*>(dout + c);
         CUTLASS_PRAGMA_UNROLL

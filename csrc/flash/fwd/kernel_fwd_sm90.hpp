@@ -97,9 +97,10 @@ struct FwdKernelTraits {
     TmaKV tma_v;
     ShapeQKV shape_q;
     ShapeQKV shape_k;
+    ShapeQKV shape_v;  // head_dim_v in place of head_dim
     Element* o_ptr;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
-    int head_dim;  // the caller's, <= kHeadDim (a multiple of 8): O columns at or past it are not written
+    int head_dim_v;  // V's and O's, <= kHeadDim (a multiple of 8): O columns at or past it are not written
     float* lse_ptr;
     int64_t lse_batch_stride, lse_head_stride;  // LSE of row r: lse_ptr + b * batch + h * head + offset_q + r
     int nheads, seqlen_q, seqlen_k;             // varlen: the maxima (bound the tiles and the window)
@@ -161,7 +162,7 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
   Tensor mK = domain_offset(make_coord(info.offset_k, _0{}),
                             params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
   Tensor mV = domain_offset(make_coord(info.offset_k, _0{}),
-                            params.tma_v.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
+                            params.tma_v.get_tma_tensor(params.shape_v)(_, _, bidh_kv, info.bidb));
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));  // (M, d)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n_blocks)
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n_blocks)
@@ -310,7 +311,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     ss.barrier_q_empty.arrive();
   }
 
-  // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q and columns past head_dim are not
+  // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q and columns past head_dim_v are not
   // written).
   cute::array<float, kRows> lse;
   auto inv_sum = softmax.finalize(params.score_scale, lse);
@@ -332,7 +333,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(o); j += 2) {
         int const col = get<1>(c(r, j));
-        if (col < params.head_dim) {  // col is even and head_dim a multiple of 8: the pair is in or out whole
+        if (col < params.head_dim_v) {  // col is even and head_dim_v a multiple of 8: the pair is in or out whole
           cutlass::Array<Element, 2> pair;
           pair[0] = o(r, j);
           pair[1] = o(r, j + 1);

@@ -23,7 +23,10 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
                                  Cfg::kPersistent>;
   // Any head_dim that is a multiple of 8 (16-byte rows for TMA) up to the tile width: the columns past it are
   // zero-filled on load and never stored.
-  if (p.head_dim <= 0 || p.head_dim > kHeadDim || p.head_dim % 8 != 0) { return cudaErrorInvalidValue; }
+  // V (and O) may have their own head_dim_v (the kernel is the one of the larger): same rule.
+  for (int d : {p.head_dim, p.head_dim_v}) {
+    if (d <= 0 || d > kHeadDim || d % 8 != 0) { return cudaErrorInvalidValue; }
+  }
   if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || !(p.softcap >= 0.f)) { return cudaErrorInvalidValue; }
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
   int const num_m_blocks = cute::ceil_div(p.seqlen_q, Traits::kBlockM);
@@ -39,12 +42,12 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   bool const varlen = p.cu_seqlens_q != nullptr;
   if (varlen != (p.cu_seqlens_k != nullptr)) { return cudaErrorInvalidValue; }
   int const rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
-  auto gmem = [&](void const* ptr, int seqlen, int nheads, int64_t row, int64_t head, int64_t batch) {
-    return make_qkv_gmem<Element>(ptr, seqlen, p.head_dim, nheads, varlen ? 1 : p.batch, row, head, batch);
+  auto gmem = [&](void const* ptr, int seqlen, int head_dim, int nheads, int64_t row, int64_t head, int64_t batch) {
+    return make_qkv_gmem<Element>(ptr, seqlen, head_dim, nheads, varlen ? 1 : p.batch, row, head, batch);
   };
-  auto mQ = gmem(p.q_ptr, rows_q, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
-  auto mK = gmem(p.k_ptr, rows_k, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
-  auto mV = gmem(p.v_ptr, rows_k, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mQ = gmem(p.q_ptr, rows_q, p.head_dim, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
+  auto mK = gmem(p.k_ptr, rows_k, p.head_dim, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
+  auto mV = gmem(p.v_ptr, rows_k, p.head_dim_v, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 
   typename Traits::Params kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{},
@@ -55,11 +58,12 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
                     Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
       mQ.shape(),
       mK.shape(),
+      mV.shape(),
       static_cast<Element*>(p.o_ptr),
       p.o_batch_stride,
       p.o_row_stride,
       p.o_head_stride,
-      p.head_dim,
+      p.head_dim_v,
       p.lse_ptr,
       varlen ? 0 : int64_t(p.nheads) * p.seqlen_q,
       varlen ? int64_t(p.total_q) : int64_t(p.seqlen_q),

@@ -1,0 +1,329 @@
+"""v with its own head dim (head_dim_v != head_dim, issue 5 item 5): q/k of head_dim, v, out, dout and dv of
+head_dim_v, e.g. DeepSeek-style (192, 128). The pair runs on the kernel of the larger one (192/128 on 256); each
+tensor's columns past its own head dim load as zeros and are never stored. Forward and backward against the float32
+reference by the rule of DESIGN.md §3 with NaN-poisoned memory, exactness against explicit zero padding, NaN
+canaries past v and dout, and compute-sanitizer memcheck. Skipped, with the reason, without an sm90 GPU and the
+built extension (see conftest.py)."""
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flash_attn_hopper import attention, attention_varlen
+from flash_attn_hopper.interface import kernel_head_dim
+from flash_attn_hopper.testing import (
+    assert_close_by_rule,
+    attention_ref,
+    attention_ref_grads,
+    attention_varlen_ref,
+    attention_varlen_ref_grads,
+)
+from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import poison_allocator as _poison_allocator
+from gpu_helpers import randn as _randn
+from gpu_helpers import require_built as _require_built
+
+pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
+
+# (head_dim, head_dim_v): DeepSeek's, v narrower and wider, both below a kernel size, v at the 256 kernel's edge.
+PAIRS = [(192, 128), (128, 64), (64, 128), (40, 72), (256, 128)]
+PAIR_IDS = [f"{d}-{dv}" for d, dv in PAIRS]
+SEQLENS = [(1, 1), (113, 257), (513, 700)]
+BWD_SEQLEN_Q_ROUNDING = 128  # csrc/flash/config.hpp kBwdSeqlenQRounding
+GRAD_NAMES = ("dq", "dk", "dv")
+DEVICE = "cuda"
+
+
+def _dtype(head_dim, head_dim_v):
+    return _built_dtype(max(head_dim, head_dim_v))
+
+
+def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim_v, dtype):
+    q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    v = _randn(batch, seqlen_k, nheads_k, head_dim_v, dtype=dtype)
+    dout = _randn(batch, seqlen_q, nheads, head_dim_v, dtype=dtype)
+    return q, k, v, dout
+
+
+def _poison(q, v):
+    """NaN into the caching allocator at the sizes the forward and backward allocate: out / dout-like (head_dim_v),
+    dQ, dV, LSE and the dQ accumulator (the kernel's width)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    e = q.element_size()
+    rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
+    _poison_allocator(q.numel() * e, batch * seqlen_q * nheads * v.shape[-1] * e, v.numel() * e,
+                      batch * nheads * seqlen_q * 4, rows * kernel_head_dim(max(head_dim, v.shape[-1])) * 4, rows * 4)
+
+
+def _run(q, k, v, dout, dlse=None, **opts):
+    """(out, lse, (dq, dk, dv)) of attention on leaves that require grad, memory poisoned before each pass; the loss
+    also uses lse when dlse is given."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    _poison(q, v)
+    out, lse = attention(*leaves, return_lse=True, **opts)
+    _poison(q, v)
+    outputs, grads_out = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
+    grads = torch.autograd.grad(outputs, leaves, grads_out)
+    return out.detach(), lse.detach(), grads
+
+
+def _check(out, lse, grads, q, k, v, dout, name, dlse=None, **opts):
+    """O, LSE, dQ, dK, dV by the rule against the float32 reference; shapes, dtypes and finiteness."""
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype, name
+    ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
+    naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
+    assert_close_by_rule(out, ref, naive, f"{name} out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
+    ref_g = attention_ref_grads(q, k, v, dout, upcast=True, dlse=dlse, **opts)
+    naive_g = attention_ref_grads(q, k, v, dout, upcast=False, dlse=dlse, **opts)
+    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
+        assert g.shape == t.shape and g.dtype == t.dtype, f"{name} {gname}"
+        assert torch.isfinite(n).all(), f"{name} {gname}: the naive reference is not finite"
+        assert_close_by_rule(g, r, n, f"{name} {gname}")
+
+
+def _bits(t):
+    return t.detach().contiguous().view(torch.int16).clone()
+
+
+# ------------------------------------------------------------------------------------------------- main grid
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,head_dim_v", PAIRS, ids=PAIR_IDS)
+def test_head_dim_v_matches_reference(head_dim, head_dim_v, causal, seqlen_q, seqlen_k):
+    dtype = _dtype(head_dim, head_dim_v)
+    q, k, v, dout = _inputs(2, seqlen_q, seqlen_k, 3, 3, head_dim, head_dim_v, dtype)
+    before = [_bits(t) for t in (q, k, v, dout)]
+    out, lse, grads = _run(q, k, v, dout, causal=causal)
+    _check(out, lse, grads, q, k, v, dout, f"({head_dim}, {head_dim_v})", causal=causal)
+    for t, b in zip((q, k, v, dout), before):
+        assert torch.equal(_bits(t), b), "an input was modified"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (64, 128)], ids=["192-128", "64-128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_head_dim_v_dtypes(dtype, head_dim, head_dim_v, causal):
+    _require_built(max(head_dim, head_dim_v), dtype)
+    q, k, v, dout = _inputs(2, 257, 300, 4, 4, head_dim, head_dim_v, dtype)
+    out, lse, grads = _run(q, k, v, dout, causal=causal)
+    _check(out, lse, grads, q, k, v, dout, f"{dtype} ({head_dim}, {head_dim_v})", causal=causal)
+
+
+@pytest.mark.parametrize(
+    "head_dim,head_dim_v,nheads_k,opts",
+    [
+        (192, 128, 2, dict(causal=True)),
+        (192, 128, 2, dict(window_size=(64, 17))),
+        (192, 128, 1, dict(softcap=15.0, causal=True)),
+        (128, 64, 2, dict(causal=True, window_size=(40, 0))),
+        (64, 128, 2, dict(softcap=10.0)),
+        (40, 72, 3, dict(window_size=(33, 33))),
+        (256, 128, 2, dict(causal=True)),
+    ],
+    ids=["192-128-gqa-causal", "192-128-gqa-window", "192-128-mqa-softcap", "128-64-gqa-window", "64-128-gqa-softcap",
+         "40-72-mha-window", "256-128-gqa-causal"],
+)
+def test_head_dim_v_gqa_window_softcap(head_dim, head_dim_v, nheads_k, opts):
+    """GQA/MQA (dK and dV summed in fp32 buffers with rows of their own head dims), windows and softcap."""
+    dtype = _dtype(head_dim, head_dim_v)
+    q, k, v, dout = _inputs(2, 513, 700, 6, nheads_k, head_dim, head_dim_v, dtype)
+    if "softcap" in opts:
+        q, k = q * 2, k * 2
+    out, lse, grads = _run(q, k, v, dout, **opts)
+    _check(out, lse, grads, q, k, v, dout, f"({head_dim}, {head_dim_v}) {opts}", **opts)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,nheads_k", [(192, 128, 2), (64, 128, 6), (128, 64, 3)])
+def test_head_dim_v_lse_loss(head_dim, head_dim_v, nheads_k):
+    """A loss that uses the LSE too (dLSE folds into D, which the preprocess computes over head_dim_v columns)."""
+    dtype = _dtype(head_dim, head_dim_v)
+    q, k, v, dout = _inputs(2, 300, 257, 6, nheads_k, head_dim, head_dim_v, dtype)
+    dlse = torch.randn(2, 6, 300, device=DEVICE)
+    out, lse, grads = _run(q, k, v, dout, dlse=dlse, causal=True)
+    _check(out, lse, grads, q, k, v, dout, f"lse loss ({head_dim}, {head_dim_v})", dlse=dlse, causal=True)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,nheads_k", [(192, 128, 2), (64, 128, 6), (40, 72, 1)])
+def test_head_dim_v_deterministic(head_dim, head_dim_v, nheads_k):
+    """Deterministic mode: bitwise-equal repeats and the right answer (GQA: the dV sums in head_dim_v rows)."""
+    dtype = _dtype(head_dim, head_dim_v)
+    q, k, v, dout = _inputs(2, 600, 700, 6, nheads_k, head_dim, head_dim_v, dtype)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out, lse = attention(*leaves, causal=True, deterministic=True, return_lse=True)
+    runs = [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(3)]
+    for r in runs[1:]:
+        for gname, a, b in zip(GRAD_NAMES, runs[0], r):
+            assert torch.equal(a, b), f"{gname} differs between deterministic runs"
+    _check(out.detach(), lse, runs[0], q, k, v, dout, f"deterministic ({head_dim}, {head_dim_v})", causal=True)
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (64, 128), (40, 72)], ids=["192-128", "64-128", "40-72"])
+def test_same_as_explicit_zero_padding(head_dim, head_dim_v):
+    """The result is bitwise that of the narrower tensors zero-padded by hand to the wider head dim (the same kernel
+    runs both), with q's head_dim's softmax scale, and the padded run's extra columns are exactly 0."""
+    width = max(head_dim, head_dim_v)
+    dtype = _dtype(head_dim, head_dim_v)
+    q, k, v, dout = _inputs(2, 300, 257, 4, 2, head_dim, head_dim_v, dtype)
+    pads = [width - head_dim] * 2 + [width - head_dim_v] * 2
+    padded = [torch.nn.functional.pad(t, (0, p)) for t, p in zip((q, k, v, dout), pads)]
+
+    def run(q, k, v, dout):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out, lse = attention(*leaves, causal=True, return_lse=True, deterministic=True,
+                             softmax_scale=1.0 / math.sqrt(head_dim))
+        return out.detach(), lse, torch.autograd.grad(out, leaves, dout)
+
+    out, lse, grads = run(q, k, v, dout)
+    out_p, lse_p, grads_p = run(*padded)
+    assert torch.equal(out, out_p[..., :head_dim_v]) and torch.equal(lse, lse_p)
+    assert torch.equal(out_p[..., head_dim_v:], torch.zeros_like(out_p[..., head_dim_v:]))
+    for gname, g, gp, d in zip(GRAD_NAMES, grads, grads_p, (head_dim, head_dim, head_dim_v)):
+        assert torch.equal(g, gp[..., :d]), f"{gname} differs from the zero-padded run"
+        assert torch.equal(gp[..., d:], torch.zeros_like(gp[..., d:])), f"padded {gname} columns not 0"
+
+
+def test_default_scale_is_of_q_head_dim():
+    head_dim, head_dim_v = 192, 128
+    dtype = _dtype(head_dim, head_dim_v)
+    q, k, v, _ = _inputs(2, 200, 150, 3, 3, head_dim, head_dim_v, dtype)
+    assert torch.equal(attention(q, k, v), attention(q, k, v, softmax_scale=1.0 / math.sqrt(head_dim)))
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (64, 128)], ids=["192-128", "64-128"])
+def test_opcheck_fake_kernels(head_dim, head_dim_v):
+    """The fake kernels (torch.compile) give out head_dim_v and dv v's shape, as the CUDA kernels do."""
+    dtype = _dtype(head_dim, head_dim_v)
+    q, k, v, _ = _inputs(2, 77, 140, 4, 2, head_dim, head_dim_v, dtype)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    scale = head_dim**-0.5
+    options = (True, -1, 0, 0.0, False)
+    torch.library.opcheck(torch.ops.flash_attn_hopper.fwd.default, (q, k, v, scale, *options))
+    out, lse = torch.ops.flash_attn_hopper.fwd(q.detach(), k.detach(), v.detach(), scale, *options)
+    assert out.shape == (2, 77, 4, head_dim_v)
+    torch.library.opcheck(
+        torch.ops.flash_attn_hopper.bwd.default,
+        (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, scale, *options),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ variable length
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "head_dim,head_dim_v,nheads_k,opts",
+    [(192, 128, 2, dict(causal=True)), (64, 128, 4, dict(window_size=(33, 5))), (128, 64, 1, dict())],
+    ids=["192-128-gqa-causal", "64-128-window", "128-64-mqa"],
+)
+def test_head_dim_v_varlen(head_dim, head_dim_v, nheads_k, opts):
+    dtype = _dtype(head_dim, head_dim_v)
+    lq, lk = [1, 300, 129, 0, 64], [5, 257, 129, 33, 0]
+    total_q, total_k, nheads = sum(lq), sum(lk), 4
+    q = _randn(total_q, nheads, head_dim, dtype=dtype)
+    k = _randn(total_k, nheads_k, head_dim, dtype=dtype)
+    v = _randn(total_k, nheads_k, head_dim_v, dtype=dtype)
+    dout = _randn(total_q, nheads, head_dim_v, dtype=dtype)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    e = q.element_size()
+    _poison_allocator(q.numel() * e, dout.numel() * e, v.numel() * e, total_q * nheads * 4)
+    out, lse = attention_varlen(*leaves, cu_q, cu_k, max(lq), max(lk), return_lse=True, **opts)
+    assert out.shape == (total_q, nheads, head_dim_v)
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
+    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
+    assert_close_by_rule(out.detach(), ref, naive, "varlen out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, "varlen lse")
+    _poison_allocator(q.numel() * e, dout.numel() * e, v.numel() * e)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, **opts)
+    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, **opts)
+    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
+        assert g.shape == t.shape, gname
+        assert_close_by_rule(g, r, n, f"varlen {gname}")
+
+
+# ------------------------------------------------------------------------------- canaries and memcheck
+
+
+def _in_canary_buffer(t, before, after):
+    buf = torch.full((before + t.numel() + after,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[before : before + t.numel()].view(t.shape)
+    view.copy_(t)
+    return buf, view
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,nheads_k", [(192, 128, 2), (64, 128, 1), (128, 64, 4)])
+def test_no_access_past_the_tensors(head_dim, head_dim_v, nheads_k):
+    """q, k, v and dout in NaN-filled buffers: reading v or dout (or O) as if they had the wider head dim would
+    take NaN from past their ends or from the next row; no element of the buffers changes."""
+    dtype = _dtype(head_dim, head_dim_v)
+    tensors = _inputs(2, 257, 113, 4, nheads_k, head_dim, head_dim_v, dtype)
+    placed = [_in_canary_buffer(t, before, after=4096) for t, before in zip(tensors, (0, 8, 64, 256))]
+    buffers = [b for b, _ in placed]
+    saved = [_bits(b) for b in buffers]
+    q, k, v, dout = (view for _, view in placed)
+    for deterministic in (False, True):
+        out, lse, grads = _run(q, k, v, dout, causal=True, deterministic=deterministic)
+        torch.cuda.synchronize()
+        for b, s in zip(buffers, saved):
+            assert torch.equal(_bits(b), s), "a canary buffer changed"
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "NaN: something past a tensor was read"
+        for g in grads:
+            assert torch.isfinite(g).all(), "NaN: something past a tensor was read"
+    _check(out, lse, grads, *tensors, "canary", causal=True)
+
+
+_SANITIZER_SCRIPT = r"""
+import torch
+from flash_attn_hopper import attention, attention_varlen
+torch.manual_seed(0)
+# both backward variants (256: P/dS in shared memory; 128: kSwapSdP), both dtypes, v wider and narrower, GQA/MQA
+cases = ((192, 128, 2, torch.bfloat16), (64, 128, 4, torch.float16), (128, 64, 1, torch.bfloat16))
+for head_dim, head_dim_v, nheads_k, dtype in cases:
+    q = torch.randn(2, 131, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 77, nheads_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 77, nheads_k, head_dim_v, device="cuda", dtype=dtype, requires_grad=True)
+    for deterministic in (False, True):
+        out, lse = attention(q, k, v, causal=True, deterministic=deterministic, return_lse=True)
+        ((out * torch.randn_like(out)).sum() + lse.sum()).backward()
+    cu = torch.tensor([0, 100, 131], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 50, 77], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (t.detach()[0].clone().requires_grad_(True) for t in (q, k, v))
+    out = attention_varlen(qv, kv, vv, cu, cu_k, 100, 50)
+    out.backward(torch.randn_like(out))
+torch.cuda.synchronize()
+print("done")
+"""
+
+
+def test_compute_sanitizer_memcheck():
+    """Out-of-bounds global loads and stores with head_dim_v != head_dim: compute-sanitizer memcheck with the caching
+    allocator off (every tensor its own allocation). Skipped without compute-sanitizer."""
+    tool = shutil.which("compute-sanitizer") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
+                                                             "compute-sanitizer")
+    if not os.path.exists(tool):
+        pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH and not under CUDA_HOME)")
+    for width, dtype in ((256, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
+        _require_built(width, dtype)
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    r = subprocess.run(
+        [tool, "--tool", "memcheck", "--error-exitcode", "99", sys.executable, "-c", _SANITIZER_SCRIPT],
+        capture_output=True, text=True, timeout=140, env=env,  # under the GPU check's 150 s per-test guard
+    )
+    assert r.returncode == 0 and "done" in r.stdout, f"rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
