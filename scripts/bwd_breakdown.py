@@ -22,7 +22,7 @@ def classify(name):
         return "postprocess"
     if "flash_bwd_sm90_kernel" in name:
         return "main"
-    if "fill" in name.lower() or "zero" in name.lower():
+    if "fill" in name.lower() or "zero" in name.lower() or "memset" in name.lower():
         return "zero dQ accum"
     return "other"
 

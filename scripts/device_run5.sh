@@ -22,5 +22,7 @@ ls flash_attn_hopper/_C*.so || exit 1
   PYTHONPATH=$PWD timeout ${TRAIN_TIMEOUT:-300} python3 examples/train_lm.py --repeats ${REPEATS:-4} \
     --json $FINAL/train_lm.json 2>&1 | grep -v "^\[.*step " | tail -n 8
   PYTHONPATH=$PWD timeout 90 python3 scripts/profile_train.py --steps 5 2>&1 | grep -v Warning | tail -n 22
+  echo "== backward breakdown"
+  PYTHONPATH=$PWD timeout 90 python3 scripts/bwd_breakdown.py 64,128,256 1024,4096,16384 2>&1 | grep -v Warning | tail -n 40
 } 2>&1 | tee $FINAL/issue4.txt
 ls $FINAL

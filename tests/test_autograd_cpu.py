@@ -84,3 +84,24 @@ def test_varlen_backward_gets_cu_seqlens_and_maxima():
     assert bwd_args[11:] == ARGS
     assert bwd_args[6] is not None  # dlse
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_double_backward_raises_instead_of_dropping_terms(varlen):
+    """dq, dk, dv from create_graph=True are not differentiable again: differentiating them raises (torch's fallback
+    for an op without an autograd formula would only warn and drop the second-order terms through q, k, v)."""
+    if varlen:
+        q, k, v = _meta(50, 4, 64), _meta(70, 4, 64), _meta(70, 4, 64)
+        cu = torch.empty(4, dtype=torch.int32, device="meta")
+        out, _ = torch.ops.flash_attn_hopper.fwd_varlen(q, k, v, cu, cu, 33, 41, *ARGS)
+    else:
+        q, k, v = _dense_inputs()
+        out, _ = torch.ops.flash_attn_hopper.fwd(q, k, v, *ARGS)
+    dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v), create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(dq.float().sum(), (q, k, v))
+    # without create_graph the gradients carry no graph
+    out, _ = torch.ops.flash_attn_hopper.fwd(*_dense_inputs(), *ARGS)
+    dq = torch.autograd.grad(out.float().sum(), out.grad_fn.next_functions[0][0].variable)[0]
+    assert not dq.requires_grad

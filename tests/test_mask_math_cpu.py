@@ -187,13 +187,15 @@ def test_varlen_workspace_regions_disjoint_and_aligned(lengths):
             assert a1 <= b0, regions
 
 
-def simulate_deterministic_dq(w, sms, decreasing=True):
+def simulate_deterministic_dq(w, sms, decreasing=True, grid=None):
     """Lockstep model of the backward's deterministic dQ order (flash/bwd dq_turn and the kernel's launch order): CTAs
     launch in blockIdx order into `sms` slots (key block N-1-i for launch i when `decreasing`, else i); each walks its
     query blocks upwards and adds into tile m only when the tile's counter equals its turn (key blocks in decreasing
     order: n_max(m) - 1 - n; else increasing: n - n_min(m)). Returns the steps a CTA spent waiting in total, or None
     on a deadlock (no resident CTA can move and none can launch)."""
     n_blocks, m_blocks = ceil_div(w.sk, w.bn), ceil_div(w.sq, w.bm)
+    if grid is not None:  # a grid of fewer key blocks than the sequence has (max_seqlen_k understated)
+        n_blocks = grid
     order = list(range(n_blocks - 1, -1, -1)) if decreasing else list(range(n_blocks))
     counter = [0] * m_blocks
     todo = {n: list(range(*w.m_block_range(n))) for n in order}
@@ -201,7 +203,7 @@ def simulate_deterministic_dq(w, sms, decreasing=True):
     def turn(m, n):
         lo, hi = w.n_block_range(m)
         assert lo <= n < hi, (m, n, lo, hi)  # both sides agree on which tiles exist
-        return hi - 1 - n if decreasing else n - lo
+        return min(hi, n_blocks) - 1 - n if decreasing else n - lo
 
     resident, launched, waits = [], 0, 0
     while launched < len(order) or resident:
@@ -224,7 +226,8 @@ def simulate_deterministic_dq(w, sms, decreasing=True):
         if not moved:
             return None
     for m in range(m_blocks):
-        assert counter[m] == len(range(*w.n_block_range(m)))
+        lo, hi = w.n_block_range(m)
+        assert counter[m] == len(range(lo, min(hi, n_blocks)))
     return waits
 
 
@@ -246,6 +249,9 @@ def test_deterministic_dq_order_is_deadlock_free_and_lets_causal_run_without_wai
     w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(left, right, seqlen_q, seqlen_k))
     for sms in (1, 2, 5):
         assert simulate_deterministic_dq(w, sms) is not None, sms
+    # A max_seqlen_k below the true length launches fewer key blocks: their sums are lost (as in the default mode) but
+    # no CTA waits for a turn that never comes.
+    assert simulate_deterministic_dq(w, 3, grid=max(1, ceil_div(seqlen_k, block_n) // 2)) is not None
     unlimited = ceil_div(seqlen_k, block_n)
     waits = simulate_deterministic_dq(w, unlimited)
     if causal or window[0] >= 0:

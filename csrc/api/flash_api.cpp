@@ -537,8 +537,24 @@ using BwdVarlenOpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     int64_t, double, bool);
 
 template <class Sig>
-c10::TypedOperatorHandle<Sig> const& op_handle(char const* name) {
-  static auto const handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+c10::TypedOperatorHandle<Sig> find_op(char const* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+// One handle per op, looked up once.
+c10::TypedOperatorHandle<FwdOpSig> const& fwd_op() {
+  static auto const handle = find_op<FwdOpSig>("flash_attn_hopper::fwd");
+  return handle;
+}
+c10::TypedOperatorHandle<BwdOpSig> const& bwd_op() {
+  static auto const handle = find_op<BwdOpSig>("flash_attn_hopper::bwd");
+  return handle;
+}
+c10::TypedOperatorHandle<FwdVarlenOpSig> const& fwd_varlen_op() {
+  static auto const handle = find_op<FwdVarlenOpSig>("flash_attn_hopper::fwd_varlen");
+  return handle;
+}
+c10::TypedOperatorHandle<BwdVarlenOpSig> const& bwd_varlen_op() {
+  static auto const handle = find_op<BwdVarlenOpSig>("flash_attn_hopper::bwd_varlen");
   return handle;
 }
 
@@ -578,7 +594,7 @@ struct AttentionAutograd : public torch::autograd::Function<AttentionAutograd> {
                                double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                                double softcap, bool deterministic) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = op_handle<FwdOpSig>("flash_attn_hopper::fwd")
+    auto [out, lse] = fwd_op()
                           .call(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic);
     ctx->save_for_backward({q, k, v, out, lse});
     ScoreArgs{softmax_scale, causal, window_left, window_right, softcap, deterministic}.save(ctx);
@@ -590,7 +606,7 @@ struct AttentionAutograd : public torch::autograd::Function<AttentionAutograd> {
     auto const saved = ctx->get_saved_variables();
     auto const [dout, dlse] = output_grads(grads, saved[3]);
     ScoreArgs const a = ScoreArgs::load(ctx);
-    auto [dq, dk, dv] = op_handle<BwdOpSig>("flash_attn_hopper::bwd")
+    auto [dq, dk, dv] = bwd_op()
                             .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dlse, a.softmax_scale,
                                   a.causal, a.window_left, a.window_right, a.softcap, a.deterministic);
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -603,7 +619,7 @@ struct AttentionVarlenAutograd : public torch::autograd::Function<AttentionVarle
                                int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
                                int64_t window_right, double softcap, bool deterministic) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = op_handle<FwdVarlenOpSig>("flash_attn_hopper::fwd_varlen")
+    auto [out, lse] = fwd_varlen_op()
                           .call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                 causal, window_left, window_right, softcap, deterministic);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k});
@@ -618,7 +634,7 @@ struct AttentionVarlenAutograd : public torch::autograd::Function<AttentionVarle
     auto const saved = ctx->get_saved_variables();
     auto const [dout, dlse] = output_grads(grads, saved[3]);
     ScoreArgs const a = ScoreArgs::load(ctx);
-    auto [dq, dk, dv] = op_handle<BwdVarlenOpSig>("flash_attn_hopper::bwd_varlen")
+    auto [dq, dk, dv] = bwd_varlen_op()
                             .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dlse, saved[5], saved[6],
                                   ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
                                   a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
@@ -628,6 +644,44 @@ struct AttentionVarlenAutograd : public torch::autograd::Function<AttentionVarle
     return grads_in;
   }
 };
+
+// The backward ops' autograd: their results (dq, dk, dv) are not differentiable again. With create_graph=True the
+// graph records this node, and differentiating through it raises instead of silently dropping the second-order
+// terms (torch's fallback for an op without an Autograd kernel only warns).
+struct NoDoubleBackward : public torch::autograd::Function<NoDoubleBackward> {
+  template <class Op, class... Args>
+  static variable_list forward(AutogradContext* ctx, Op const* op, Args&&... args) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [dq, dk, dv] = op->call(std::forward<Args>(args)...);
+    return {dq, dk, dv};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false,
+                "flash_attn_hopper: double backward (differentiating dq, dk or dv again, e.g. after "
+                "create_graph=True) is not supported");
+    return {};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
+    at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
+    at::Tensor const& lse, std::optional<at::Tensor> const& dlse, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
+  auto g = NoDoubleBackward::apply(&bwd_op(), dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left,
+                                   window_right, softcap, deterministic);
+  return {g[0], g[1], g[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_autograd(
+    at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
+    at::Tensor const& lse, std::optional<at::Tensor> const& dlse, at::Tensor const& cu_seqlens_q,
+    at::Tensor const& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
+  auto g = NoDoubleBackward::apply(&bwd_varlen_op(), dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                   max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                   softcap, deterministic);
+  return {g[0], g[1], g[2]};
+}
 
 std::tuple<at::Tensor, at::Tensor> fwd_autograd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                                 double softmax_scale, bool causal, int64_t window_left,
@@ -679,4 +733,6 @@ TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) {
 TORCH_LIBRARY_IMPL(flash_attn_hopper, Autograd, m) {
   m.impl("fwd", &fwd_autograd);
   m.impl("fwd_varlen", &fwd_varlen_autograd);
+  m.impl("bwd", &bwd_autograd);
+  m.impl("bwd_varlen", &bwd_varlen_autograd);
 }

@@ -343,7 +343,9 @@ def _note_find_packed_sequence_indices(find):
     forward on its position_ids (when there is no attention_mask and no cache) and which reads the device to return
     None when every row counts up by one. Each None is recorded for that position_ids tensor (and the tensor it views:
     the builder may pass an expanded view), so ``_restarts`` in the layers needs no second device read: an extra host
-    synchronization in every forward stalls an eager training loop that the GPU would otherwise run ahead of."""
+    synchronization in every forward stalls an eager training loop that the GPU would otherwise run ahead of. The note
+    holds while the tensor's version counter is unchanged: writes that bypass it (through ``.data``, or a numpy array
+    sharing the memory) are not seen, as for the other caches of this module."""
     if getattr(find, "_flash_attn_hopper_wrapper", False):
         return find
 

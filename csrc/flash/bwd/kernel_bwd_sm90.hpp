@@ -329,7 +329,9 @@ CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo co
   int n_block_min, n_block_max;
   Window<Traits::kBlockM, Traits::kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}
       .n_block_range(m_block, n_block_min, n_block_max);
-  turn = n_block_max - 1 - n_block;
+  // Key blocks past the grid (a max_seqlen_k below a sequence's length, trusted under torch.compile) never run: count
+  // turns among the launched ones, so that a wrong maximum drops their sums, as in the default mode, but never hangs.
+  turn = min(n_block_max, int(gridDim.x)) - 1 - n_block;
   // One counter per kBlockM rows of the dQ workspace (in bounds wherever the workspace is, whatever max_seqlen says).
   int64_t const row = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                params.seqlen_q_rounded, info.batch_idx, bidh);
