@@ -249,7 +249,8 @@ def attention(
             a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;
             softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right
             side > 0; softcap is negative or not finite, or softmax_scale / softcap is not a normal float32.
-        RuntimeError: the compiled extension is not available.
+        RuntimeError: the compiled extension is not available; (in the backward) differentiating dq, dk, dv again
+            (double backward is not supported: ``create_graph=True`` works, a second backward through it raises).
 
     Gradients: when q, k or v requires grad, ``out`` (and ``lse``) backpropagate through the FlashAttention-3
     backward (paper §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = α dS K, dK = α dSᵀ Q),
