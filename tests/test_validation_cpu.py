@@ -632,3 +632,37 @@ def test_deterministic_not_bool(bad):
     q, k, v, cu_q, cu_k = _varlen_args()
     with pytest.raises(TypeError, match=r"^deterministic must be a bool"):
         flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20, deterministic=bad)
+
+
+@pytest.mark.skipif(not _ops.EXTENSION_LOADED, reason="the compiled extension is not built here (CI builds it)")
+def test_checked_call_cache_never_skips_a_check(monkeypatch):
+    """attention() remembers argument signatures that passed every check (host time per call); a call that differs in
+    anything a check reads — an argument's type included (1 == True) — must still be checked. Meta tensors stand in for
+    CUDA ones: the device and GPU checks are replaced, the op runs its fake kernel."""
+    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
+    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
+    monkeypatch.setattr(interface, "_check_compiled", lambda *a: None)
+    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
+    q, k, v = (torch.empty(2, 33, 4, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    calls = []
+    original = interface._check_call
+    monkeypatch.setattr(interface, "_check_call", lambda *a: calls.append(a) or original(*a))
+    for _ in range(3):
+        attention(q, k, v, causal=True, window_size=(16, 0), softcap=0.0)
+    assert len(calls) == 1  # checked once, then remembered
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        attention(q, k, v, causal=1, window_size=(16, 0), softcap=0.0)
+    with pytest.raises(ValueError, match="window_size left side must be >= -1"):
+        attention(q, k, v, causal=True, window_size=(-2, 0), softcap=0.0)
+    with pytest.raises(ValueError, match="causal=True means a window right side of 0"):
+        attention(q, k, v, causal=True, window_size=(16, 3), softcap=0.0)
+    with pytest.raises(ValueError, match="softcap must be finite"):
+        attention(q, k, v, causal=True, window_size=(16, 0), softcap=-1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention(q[..., :12], k[..., :12], v[..., :12], causal=True, window_size=(16, 0), softcap=0.0)
+    with pytest.raises(ValueError, match="stride 1"):
+        strided = torch.empty(2, 33, 4, 128, device="meta", dtype=torch.bfloat16)[..., ::2]
+        attention(strided, k, v, causal=True, window_size=(16, 0), softcap=0.0)
+    with pytest.raises(TypeError, match="dtype"):
+        attention(q.float(), k, v, causal=True, window_size=(16, 0), softcap=0.0)
+    assert len(interface._CHECKED_CALLS) == 1
