@@ -121,5 +121,5 @@ def _build_ext():
 setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": _build_ext()},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},  # compiled with Py_LIMITED_API 3.10
 )

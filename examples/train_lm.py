@@ -350,7 +350,7 @@ def parse_args(argv=None):
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12, help="attention heads (head_dim = hidden / heads: 64, 128 or 256)")
+    p.add_argument("--heads", type=int, default=12, help="attention heads (head_dim = hidden / heads: a multiple of 8 up to 256)")
     p.add_argument("--intermediate", type=int, default=2048, help="SwiGLU width")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=30, help="linear warmup steps")

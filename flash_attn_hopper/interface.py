@@ -136,7 +136,10 @@ def _check_compiled(head_dim, dtype, head_dim_v=None):
             f"{list(head_dims)}; rebuild without FAH_HDIMS to get all)"
         )
     if dtype not in dtypes:
-        raise TypeError(f"q has dtype {dtype}, which this build does not include (built with {list(dtypes)})")
+        raise TypeError(
+            f"q has dtype {dtype}, which this build does not include (built with {list(dtypes)}; rebuild without "
+            "FAH_DTYPES to get both)"
+        )
 
 
 def _check_bool(name, value):
