@@ -1,4 +1,4 @@
-"""Helpers shared by the GPU test modules (test_fwd_gpu.py, test_bwd_gpu.py): what this build compiles, random CUDA
+"""Helpers shared by the GPU test modules: what this build compiles, random CUDA
 inputs, and a NaN-poisoned caching allocator so that memory a kernel never writes shows up as NaN."""
 
 import pytest
@@ -38,3 +38,98 @@ def poison_allocator(*nbytes):
 
 def randn(*shape, dtype):
     return torch.randn(*shape, dtype=dtype, device="cuda")
+
+
+# ------------------------------------------------------------------ attention runs checked by the rule (head-dim tests)
+
+BWD_SEQLEN_Q_ROUNDING = 128  # csrc/flash/config.hpp kBwdSeqlenQRounding
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+def attention_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, head_dim_v=None):
+    """Random q, k (head_dim) and v, dout (head_dim_v, default head_dim) on the GPU."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
+    v = randn(batch, seqlen_k, nheads_k, head_dim_v, dtype=dtype)
+    dout = randn(batch, seqlen_q, nheads, head_dim_v, dtype=dtype)
+    return q, k, v, dout
+
+
+def poison_attention_memory(q, v):
+    """NaN into the caching allocator at the sizes the forward and backward allocate: out / dout-like (v's head dim),
+    dQ, dK/dV, LSE and the dQ accumulator (the kernel's padded width)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    e = q.element_size()
+    rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
+    poison_allocator(q.numel() * e, batch * seqlen_q * nheads * v.shape[-1] * e, v.numel() * e,
+                     batch * nheads * seqlen_q * 4, rows * kernel_head_dim(max(head_dim, v.shape[-1])) * 4, rows * 4)
+
+
+def run_attention(q, k, v, dout, dlse=None, **opts):
+    """(out, lse, (dq, dk, dv)) of attention on leaves that require grad, memory poisoned before each pass; the loss
+    also uses lse when dlse is given."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    poison_attention_memory(q, v)
+    out, lse = flash_attn_hopper.attention(*leaves, return_lse=True, **opts)
+    poison_attention_memory(q, v)
+    outputs, grads_out = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
+    grads = torch.autograd.grad(outputs, leaves, grads_out)
+    return out.detach(), lse.detach(), grads
+
+
+def check_attention(out, lse, grads, q, k, v, dout, name, dlse=None, **opts):
+    """O, LSE, dQ, dK, dV by the rule against the float32 reference; shapes, dtypes and finiteness."""
+    from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads
+
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype, name
+    ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
+    naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
+    assert_close_by_rule(out, ref, naive, f"{name} out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
+    ref_g = attention_ref_grads(q, k, v, dout, upcast=True, dlse=dlse, **opts)
+    naive_g = attention_ref_grads(q, k, v, dout, upcast=False, dlse=dlse, **opts)
+    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
+        assert g.shape == t.shape and g.dtype == t.dtype, f"{name} {gname}"
+        assert torch.isfinite(n).all(), f"{name} {gname}: the naive reference is not finite"
+        assert_close_by_rule(g, r, n, f"{name} {gname}")
+
+
+def bits(t):
+    """A bitwise copy (NaN == NaN) of t's memory, to compare with torch.equal."""
+    return t.detach().contiguous().view(torch.int16).clone()
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def in_canary_buffer(t, before, after):
+    """(buffer, view): a copy of t living in a NaN-filled flat buffer, `before` elements (a multiple of 8: 16-byte
+    alignment) ahead of it and `after` elements behind it."""
+    buf = torch.full((before + t.numel() + after,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[before : before + t.numel()].view(t.shape)
+    view.copy_(t)
+    return buf, view
+
+
+def run_memcheck(script):
+    """Runs `script` (Python source) under compute-sanitizer memcheck with the caching allocator off (every tensor its
+    own allocation, so an access past one is reported); asserts it finished with 0 errors. Skips without the tool.
+    The time limit stays under the GPU check's 150 s per-test guard."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    tool = shutil.which("compute-sanitizer") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
+                                                             "compute-sanitizer")
+    if not os.path.exists(tool):
+        pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH and not under CUDA_HOME)")
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    r = subprocess.run(
+        [tool, "--tool", "memcheck", "--error-exitcode", "99", sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=140, env=env,
+    )
+    assert r.returncode == 0 and "done" in r.stdout, f"rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]

@@ -6,27 +6,28 @@ canaries past v and dout, and compute-sanitizer memcheck. Skipped, with the reas
 built extension (see conftest.py)."""
 
 import math
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from flash_attn_hopper import attention, attention_varlen
-from flash_attn_hopper.interface import kernel_head_dim
 from flash_attn_hopper.testing import (
     assert_close_by_rule,
-    attention_ref,
-    attention_ref_grads,
     attention_varlen_ref,
     attention_varlen_ref_grads,
 )
+from gpu_helpers import GRAD_NAMES
+from gpu_helpers import attention_inputs
+from gpu_helpers import bits as _bits
 from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import check_attention as _check
+from gpu_helpers import cu_seqlens as _cu
+from gpu_helpers import in_canary_buffer as _in_canary_buffer
 from gpu_helpers import poison_allocator as _poison_allocator
 from gpu_helpers import randn as _randn
 from gpu_helpers import require_built as _require_built
+from gpu_helpers import run_attention as _run
+from gpu_helpers import run_memcheck
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -34,62 +35,15 @@ pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 PAIRS = [(192, 128), (128, 64), (64, 128), (40, 72), (256, 128)]
 PAIR_IDS = [f"{d}-{dv}" for d, dv in PAIRS]
 SEQLENS = [(1, 1), (113, 257), (513, 700)]
-BWD_SEQLEN_Q_ROUNDING = 128  # csrc/flash/config.hpp kBwdSeqlenQRounding
-GRAD_NAMES = ("dq", "dk", "dv")
 DEVICE = "cuda"
+
+
+def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim_v, dtype):
+    return attention_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, head_dim_v=head_dim_v)
 
 
 def _dtype(head_dim, head_dim_v):
     return _built_dtype(max(head_dim, head_dim_v))
-
-
-def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim_v, dtype):
-    q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
-    k = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
-    v = _randn(batch, seqlen_k, nheads_k, head_dim_v, dtype=dtype)
-    dout = _randn(batch, seqlen_q, nheads, head_dim_v, dtype=dtype)
-    return q, k, v, dout
-
-
-def _poison(q, v):
-    """NaN into the caching allocator at the sizes the forward and backward allocate: out / dout-like (head_dim_v),
-    dQ, dV, LSE and the dQ accumulator (the kernel's width)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    e = q.element_size()
-    rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
-    _poison_allocator(q.numel() * e, batch * seqlen_q * nheads * v.shape[-1] * e, v.numel() * e,
-                      batch * nheads * seqlen_q * 4, rows * kernel_head_dim(max(head_dim, v.shape[-1])) * 4, rows * 4)
-
-
-def _run(q, k, v, dout, dlse=None, **opts):
-    """(out, lse, (dq, dk, dv)) of attention on leaves that require grad, memory poisoned before each pass; the loss
-    also uses lse when dlse is given."""
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    _poison(q, v)
-    out, lse = attention(*leaves, return_lse=True, **opts)
-    _poison(q, v)
-    outputs, grads_out = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
-    grads = torch.autograd.grad(outputs, leaves, grads_out)
-    return out.detach(), lse.detach(), grads
-
-
-def _check(out, lse, grads, q, k, v, dout, name, dlse=None, **opts):
-    """O, LSE, dQ, dK, dV by the rule against the float32 reference; shapes, dtypes and finiteness."""
-    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype, name
-    ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
-    naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
-    assert_close_by_rule(out, ref, naive, f"{name} out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
-    ref_g = attention_ref_grads(q, k, v, dout, upcast=True, dlse=dlse, **opts)
-    naive_g = attention_ref_grads(q, k, v, dout, upcast=False, dlse=dlse, **opts)
-    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
-        assert g.shape == t.shape and g.dtype == t.dtype, f"{name} {gname}"
-        assert torch.isfinite(n).all(), f"{name} {gname}: the naive reference is not finite"
-        assert_close_by_rule(g, r, n, f"{name} {gname}")
-
-
-def _bits(t):
-    return t.detach().contiguous().view(torch.int16).clone()
 
 
 # ------------------------------------------------------------------------------------------------- main grid
@@ -221,10 +175,6 @@ def test_opcheck_fake_kernels(head_dim, head_dim_v):
 # ------------------------------------------------------------------------------------------------ variable length
 
 
-def _cu(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-
-
 @pytest.mark.parametrize(
     "head_dim,head_dim_v,nheads_k,opts",
     [(192, 128, 2, dict(causal=True)), (64, 128, 4, dict(window_size=(33, 5))), (128, 64, 1, dict())],
@@ -258,13 +208,6 @@ def test_head_dim_v_varlen(head_dim, head_dim_v, nheads_k, opts):
 
 
 # ------------------------------------------------------------------------------- canaries and memcheck
-
-
-def _in_canary_buffer(t, before, after):
-    buf = torch.full((before + t.numel() + after,), float("nan"), dtype=t.dtype, device=t.device)
-    view = buf[before : before + t.numel()].view(t.shape)
-    view.copy_(t)
-    return buf, view
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,nheads_k", [(192, 128, 2), (64, 128, 1), (128, 64, 4)])
@@ -314,16 +257,6 @@ print("done")
 def test_compute_sanitizer_memcheck():
     """Out-of-bounds global loads and stores with head_dim_v != head_dim: compute-sanitizer memcheck with the caching
     allocator off (every tensor its own allocation). Skipped without compute-sanitizer."""
-    tool = shutil.which("compute-sanitizer") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
-                                                             "compute-sanitizer")
-    if not os.path.exists(tool):
-        pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH and not under CUDA_HOME)")
     for width, dtype in ((256, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)):
         _require_built(width, dtype)
-    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    r = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "99", sys.executable, "-c", _SANITIZER_SCRIPT],
-        capture_output=True, text=True, timeout=140, env=env,  # under the GPU check's 150 s per-test guard
-    )
-    assert r.returncode == 0 and "done" in r.stdout, f"rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
+    run_memcheck(_SANITIZER_SCRIPT)

@@ -6,10 +6,6 @@ followed by NaN canaries (a read past a tensor or its head_dim gives NaN; a writ
 the reason, without an sm90 GPU and the built extension (see conftest.py)."""
 
 import math
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,15 +14,21 @@ from flash_attn_hopper import attention, attention_varlen
 from flash_attn_hopper.interface import kernel_head_dim
 from flash_attn_hopper.testing import (
     assert_close_by_rule,
-    attention_ref,
-    attention_ref_grads,
     attention_varlen_ref,
     attention_varlen_ref_grads,
 )
+from gpu_helpers import GRAD_NAMES
+from gpu_helpers import attention_inputs as _inputs
+from gpu_helpers import bits as _bits
 from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import check_attention as _check
+from gpu_helpers import cu_seqlens as _cu
+from gpu_helpers import in_canary_buffer as _in_canary_buffer
 from gpu_helpers import poison_allocator as _poison_allocator
 from gpu_helpers import randn as _randn
 from gpu_helpers import require_built as _require_built
+from gpu_helpers import run_attention as _run
+from gpu_helpers import run_memcheck
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -35,57 +37,7 @@ DTYPE_IDS = ["fp16", "bf16"]
 # Below, between and at the kernel sizes' edges: 8..64 run on 64, 72..128 on 128, 136..256 on 256.
 HEAD_DIMS = [8, 40, 72, 96, 104, 136, 192, 200, 248]
 SEQLENS = [(1, 1), (113, 257), (257, 113), (513, 700)]
-BWD_SEQLEN_Q_ROUNDING = 128  # csrc/flash/config.hpp kBwdSeqlenQRounding
-GRAD_NAMES = ("dq", "dk", "dv")
 DEVICE = "cuda"
-
-
-def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype):
-    q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
-    k = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
-    v = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
-    dout = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
-    return q, k, v, dout
-
-
-def _poison(q, k):
-    """NaN into the caching allocator at the sizes of what the forward and backward allocate (out, dQ, dK/dV, LSE and
-    the dQ accumulator, which has the kernel's padded head_dim)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    e = q.element_size()
-    rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
-    _poison_allocator(q.numel() * e, k.numel() * e, batch * nheads * seqlen_q * 4,
-                      rows * kernel_head_dim(head_dim) * 4, rows * 4)
-
-
-def _run(q, k, v, dout, **opts):
-    """(out, lse, (dq, dk, dv)) of attention on leaves that require grad, memory poisoned before each pass."""
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    _poison(q, k)
-    out, lse = attention(*leaves, return_lse=True, **opts)
-    _poison(q, k)
-    grads = torch.autograd.grad(out, leaves, dout)
-    return out.detach(), lse, grads
-
-
-def _check(out, lse, grads, q, k, v, dout, name, **opts):
-    """O, LSE, dQ, dK, dV by the rule against the float32 reference; shapes, dtypes and finiteness."""
-    assert out.shape == q.shape and out.dtype == q.dtype, name
-    ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
-    naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
-    assert_close_by_rule(out, ref, naive, f"{name} out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
-    ref_g = attention_ref_grads(q, k, v, dout, upcast=True, **opts)
-    naive_g = attention_ref_grads(q, k, v, dout, upcast=False, **opts)
-    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
-        assert g.shape == t.shape and g.dtype == t.dtype, f"{name} {gname}"
-        assert torch.isfinite(n).all(), f"{name} {gname}: the naive reference is not finite"
-        assert_close_by_rule(g, r, n, f"{name} {gname}")
-
-
-def _bits(t):
-    """A bitwise copy (NaN == NaN) of t's memory, to compare with torch.equal."""
-    return t.detach().contiguous().view(torch.int16).clone()
 
 
 # ------------------------------------------------------------------------------------------------- main grid
@@ -191,10 +143,6 @@ def test_default_scale_is_of_the_true_head_dim():
 # ------------------------------------------------------------------------------------------------ variable length
 
 
-def _cu(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-
-
 @pytest.mark.parametrize(
     "head_dim,nheads_k,opts",
     [(8, 4, dict(causal=True)), (104, 2, dict()), (192, 1, dict(window_size=(33, 5))), (248, 2, dict(causal=True))],
@@ -282,15 +230,6 @@ def test_packed_qkv(head_dim):
     _check(out, lse, grads, q, k, v, dout, f"packed {head_dim}", causal=True)
 
 
-def _in_canary_buffer(t, before, after):
-    """(buffer, view): a copy of t living in a NaN-filled flat buffer, `before` elements (a multiple of 8: 16-byte
-    alignment) ahead of it and `after` elements behind it."""
-    buf = torch.full((before + t.numel() + after,), float("nan"), dtype=t.dtype, device=t.device)
-    view = buf[before : before + t.numel()].view(t.shape)
-    view.copy_(t)
-    return buf, view
-
-
 @pytest.mark.parametrize(
     "head_dim,seqlen_q,seqlen_k,nheads_k",
     [(8, 1, 1, 2), (40, 113, 257, 2), (72, 257, 113, 1), (136, 513, 700, 2), (248, 1, 300, 2), (200, 300, 1, 4)],
@@ -349,17 +288,7 @@ def test_compute_sanitizer_memcheck():
     """Out-of-bounds global loads and stores by the kernels themselves (not only those that reach a NaN canary):
     compute-sanitizer memcheck with the caching allocator off, so every tensor is its own allocation and an access
     past it is reported. Slow (a minute or more); skipped without compute-sanitizer."""
-    tool = shutil.which("compute-sanitizer") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
-                                                             "compute-sanitizer")
-    if not os.path.exists(tool):
-        pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH and not under CUDA_HOME)")
     for head_dim in (8, 40, 72, 136, 248):
         _require_built(head_dim, torch.float16)
         _require_built(head_dim, torch.bfloat16)
-    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    r = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "99", sys.executable, "-c", _SANITIZER_SCRIPT],
-        capture_output=True, text=True, timeout=140, env=env,  # under the GPU check's 150 s per-test guard
-    )
-    assert r.returncode == 0 and "done" in r.stdout, f"rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
+    run_memcheck(_SANITIZER_SCRIPT)
