@@ -15,6 +15,7 @@ same-precision baseline: ``err(ours, ref) <= 2 * err(sdpa_bf16, ref) + floor``.
 
 Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py), or without transformers."""
 
+import contextlib
 import copy
 
 import pytest
@@ -112,17 +113,13 @@ def _math_sdpa():
     return sdpa_kernel(SDPBackend.MATH)
 
 
-def _run(model, ids, reference=False, grads_of=None):
+def _run(model, ids, reference=False, grads_of=None, labels=None, **inputs):
     """Logits and parameter gradients (of ``grads_of``, default ``model``) of the next-token loss (transformers'
-    shifted cross-entropy)."""
+    shifted cross-entropy; labels default to ids); ``inputs``: further model arguments (attention_mask, position_ids)."""
     grads_of = model if grads_of is None else grads_of
     grads_of.zero_grad(set_to_none=True)
-    if reference:
-        with _math_sdpa():
-            out = model(input_ids=ids, labels=ids, use_cache=False)
-            out.loss.backward()
-    else:
-        out = model(input_ids=ids, labels=ids, use_cache=False)
+    with _math_sdpa() if reference else contextlib.nullcontext():
+        out = model(input_ids=ids, labels=ids if labels is None else labels, use_cache=False, **inputs)
         out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in grads_of.named_parameters()}
     return out.logits.detach(), grads
@@ -210,18 +207,10 @@ def test_padded_batch_matches_sdpa(models):
     mask[1, 90:] = 0  # right padding
     labels = ids.masked_fill(mask == 0, -100)
     kept = mask.bool()
-
-    def run(model, reference=False):
-        model.zero_grad(set_to_none=True)
-        with _math_sdpa() if reference else torch.enable_grad():
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-            out.loss.backward()
-        return out.logits.detach()[kept], {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-    logits, grads = run(ours)
-    logits_sdpa, grads_sdpa = run(sdpa)
-    logits_ref, grads_ref = run(ref, reference=True)
-    _check(logits, logits_ref, logits_sdpa, "padded logits")
+    logits, grads = _run(ours, ids, labels=labels, attention_mask=mask)
+    logits_sdpa, grads_sdpa = _run(sdpa, ids, labels=labels, attention_mask=mask)
+    logits_ref, grads_ref = _run(ref, ids, reference=True, labels=labels, attention_mask=mask)
+    _check(logits[kept], logits_ref[kept], logits_sdpa[kept], "padded logits")
     for name in grads:
         _check_l2(grads[name].float(), grads_ref[name].float(), grads_sdpa[name].float(), f"padded grad {name}")
     with torch.no_grad():
@@ -237,17 +226,9 @@ def test_packed_sequences_match_sdpa(models):
     lengths = [70, 1, 129, 56]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), device="cuda")
     position_ids = torch.cat([torch.arange(n, device="cuda") for n in lengths]).unsqueeze(0)
-
-    def run(model, reference=False):
-        model.zero_grad(set_to_none=True)
-        with _math_sdpa() if reference else torch.enable_grad():
-            out = model(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False)
-            out.loss.backward()
-        return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-    logits, grads = run(ours)
-    logits_sdpa, grads_sdpa = run(sdpa)
-    logits_ref, grads_ref = run(ref, reference=True)
+    logits, grads = _run(ours, ids, position_ids=position_ids)
+    logits_sdpa, grads_sdpa = _run(sdpa, ids, position_ids=position_ids)
+    logits_ref, grads_ref = _run(ref, ids, reference=True, position_ids=position_ids)
     _check(logits, logits_ref, logits_sdpa, "packed logits")
     for name in grads:
         _check_l2(grads[name].float(), grads_ref[name].float(), grads_sdpa[name].float(), f"packed grad {name}")
