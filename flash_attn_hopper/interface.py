@@ -319,10 +319,34 @@ def _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, determ
 
 # ---------------------------------------------------------------------------------------------- variable length
 
-# cu_seqlens tensors whose values were checked: id -> (weak reference, tensor version, first entry, last entry, longest
-# sequence). The layers of one model step pass the same tensors, so their values are read from the device once. (Not a
-# WeakKeyDictionary: it compares keys with ==, which tensors answer elementwise.)
-_CHECKED_CU_SEQLENS = {}
+class _ValueNotes:
+    """Results computed from a tensor's values (a device read), kept while the tensor lives and its version counter is
+    unchanged: the layers of one model step pass the same tensors, so their values are read once. Writes that bypass
+    the version counter (through ``.data``, or a numpy array sharing the memory) are not seen; inference-mode tensors
+    have no version counter and are never kept. (Not a WeakKeyDictionary: it compares keys with ==, which tensors
+    answer elementwise.)"""
+
+    MISSING = object()
+
+    def __init__(self):
+        self._entries = {}  # id(tensor) -> (weak reference, version, value)
+
+    def get(self, t):
+        entry = self._entries.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            return entry[2]
+        return self.MISSING
+
+    def put(self, t, value):
+        if t.is_inference():
+            return
+        key = id(t)
+        ref = weakref.ref(t, lambda _, key=key: self._entries.pop(key, None))
+        self._entries[key] = (ref, t._version, value)
+
+
+# cu_seqlens tensors whose values were checked -> (first entry, last entry, longest sequence).
+_CHECKED_CU_SEQLENS = _ValueNotes()
 
 
 def _check_cu_seqlens_meta(name, cu, q):
@@ -341,12 +365,10 @@ def _check_cu_seqlens_meta(name, cu, q):
 
 def _cu_seqlens_summary(name, cu):
     """(first, last, longest) of a cu_seqlens tensor whose entries are checked to be >= 0 and non-decreasing; read
-    from the device once per tensor version (inference-mode tensors have no version counter: read every time; writes
-    that bypass the version counter, such as through ``.data``, are not seen)."""
-    cacheable = not cu.is_inference()
-    cached = _CHECKED_CU_SEQLENS.get(id(cu)) if cacheable else None
-    if cached is not None and cached[0]() is cu and cached[1] == cu._version:
-        return cached[2:]
+    from the device once per tensor version (see _ValueNotes)."""
+    cached = _CHECKED_CU_SEQLENS.get(cu)
+    if cached is not _ValueNotes.MISSING:
+        return cached
     values = cu.tolist()  # one small device-to-host copy
     if values[0] < 0:
         raise ValueError(f"{name} must start at an offset >= 0, got {values[0]}")
@@ -355,11 +377,7 @@ def _cu_seqlens_summary(name, cu):
         i = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(f"{name} must be non-decreasing, but entry {i + 1} ({values[i + 1]}) < entry {i} ({values[i]})")
     summary = (values[0], values[-1], max(lengths, default=0))
-    if not cacheable:
-        return summary
-    key = id(cu)
-    ref = weakref.ref(cu, lambda _, key=key: _CHECKED_CU_SEQLENS.pop(key, None))
-    _CHECKED_CU_SEQLENS[key] = (ref, cu._version) + summary
+    _CHECKED_CU_SEQLENS.put(cu, summary)
     return summary
 
 

@@ -34,8 +34,6 @@ Everything else raises a Python exception, naming what is unsupported, before an
 Tested with transformers 5.17.0. This module imports transformers; ``import flash_attn_hopper`` does not.
 """
 
-import weakref
-
 import torch
 
 try:
@@ -54,6 +52,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
     ) from _e
 
 from .. import interface as _interface
+from ..interface import _ValueNotes
 
 ATTN_IMPLEMENTATION = "flash_attn_hopper"
 """The ``attn_implementation`` name that ``register()`` registers."""
@@ -213,18 +212,17 @@ def _is_padding_mask(attention_mask, query, key):
     )
 
 
-# Padding masks already turned into token indices: id -> (weak reference, version, result of _unpadding). The layers
-# of one forward get the same mask tensor, so it is read from the device once per forward.
-_UNPADDING = {}
+# Padding masks already turned into token indices -> (q_length, result of _unpadding). The layers of one forward get
+# the same mask tensor, so it is read from the device once per forward.
+_UNPADDING = _ValueNotes()
 
 
 def _unpadding(attention_mask, q_length):
     """(indices_q, indices_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a (batch, kv_length) padding
     mask whose last q_length columns are the queries' positions (the keys before them come from a cache)."""
-    cached = _UNPADDING.get(id(attention_mask))
-    if (cached is not None and cached[0]() is attention_mask and cached[1] == attention_mask._version
-            and cached[2] == q_length):
-        return cached[3]
+    cached = _UNPADDING.get(attention_mask)
+    if cached is not _ValueNotes.MISSING and cached[0] == q_length:
+        return cached[1]
     mask_k = attention_mask
     mask_q = attention_mask[:, -q_length:]
     lengths = torch.stack([mask_q.sum(-1, dtype=torch.int32), mask_k.sum(-1, dtype=torch.int32)])
@@ -233,10 +231,7 @@ def _unpadding(attention_mask, q_length):
     indices_k = mask_k.flatten().nonzero().flatten()
     longest_q, longest_k = (max(row, default=0) for row in lengths.tolist())  # the one host read
     result = (indices_q, indices_k, cu[0], cu[1], longest_q, longest_k)
-    if not attention_mask.is_inference():
-        key = id(attention_mask)
-        ref = weakref.ref(attention_mask, lambda _, key=key: _UNPADDING.pop(key, None))
-        _UNPADDING[key] = (ref, attention_mask._version, q_length, result)
+    _UNPADDING.put(attention_mask, (q_length, result))
     return result
 
 
@@ -286,14 +281,14 @@ def _packed_sequences(module, query, key, kwargs):
     return starts
 
 
-# position_ids tensors already examined: id -> (weak reference, version, result of _restarts). The layers of one
-# forward pass the same tensor, so the device is read once per forward.
-_PACKING = {}
+# position_ids tensors already examined -> result of _restarts. The layers of one forward pass the same tensor, so the
+# device is read once per forward.
+_PACKING = _ValueNotes()
 
 
-# Rows of memory that transformers' mask builder found counting up by one: id(base tensor) -> (weak reference, base's
-# version, {(storage offset, length, stride)}). Position ids that are views of one such row need no device read.
-_COUNTING_ROWS = {}
+# Rows of memory that transformers' mask builder found counting up by one: base tensor -> {(storage offset, length,
+# stride)}. Position ids that are views of one such row need no device read.
+_COUNTING_ROWS = _ValueNotes()
 
 
 def _row_signature(position_ids):
@@ -308,14 +303,14 @@ def _row_signature(position_ids):
 def _restarts(position_ids):
     """None if every row of position_ids counts up by one; else for a single row (cu_seqlens int32 on its device,
     cu_seqlens again, longest, longest), sequences starting where the count restarts; () for several rows."""
-    cached = _PACKING.get(id(position_ids))
-    if cached is not None and cached[0]() is position_ids and cached[1] == position_ids._version:
-        return cached[2]
+    cached = _PACKING.get(position_ids)
+    if cached is not _ValueNotes.MISSING:
+        return cached
     signature = _row_signature(position_ids)
     if signature is not None:
         base, row = signature
-        entry = _COUNTING_ROWS.get(id(base))
-        if entry is not None and entry[0]() is base and entry[1] == base._version and row in entry[2]:
+        rows = _COUNTING_ROWS.get(base)
+        if rows is not _ValueNotes.MISSING and row in rows:
             return None  # transformers' mask builder has read these values in this forward
     restart = position_ids[..., 1:] != position_ids[..., :-1] + 1
     result = None
@@ -327,16 +322,8 @@ def _restarts(position_ids):
             cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
             longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
             result = (cu, cu, longest, longest)
-    if not position_ids.is_inference():
-        _remember(position_ids, result)
+    _PACKING.put(position_ids, result)
     return result
-
-
-def _remember(position_ids, result):
-    """Caches the _restarts result of a (non-inference) position_ids tensor until it is freed or written to."""
-    key = id(position_ids)
-    ref = weakref.ref(position_ids, lambda _, key=key: _PACKING.pop(key, None))
-    _PACKING[key] = (ref, position_ids._version, result)
 
 
 def _note_find_packed_sequence_indices(find):
@@ -354,16 +341,15 @@ def _note_find_packed_sequence_indices(find):
         result = find(position_ids, *args, **kwargs)
         if (result is None and isinstance(position_ids, torch.Tensor) and not position_ids.is_inference()
                 and not torch.compiler.is_compiling()):
-            _remember(position_ids, None)
+            _PACKING.put(position_ids, None)
             signature = _row_signature(position_ids)
             if signature is not None:  # the builder checked an expanded view of the layers' (1, seqlen) tensor
                 base, row = signature
-                entry = _COUNTING_ROWS.get(id(base))
-                if entry is None or entry[0]() is not base or entry[1] != base._version:
-                    key = id(base)
-                    ref = weakref.ref(base, lambda _, key=key: _COUNTING_ROWS.pop(key, None))
-                    entry = _COUNTING_ROWS[key] = (ref, base._version, set())
-                entry[2].add(row)
+                rows = _COUNTING_ROWS.get(base)
+                if rows is _ValueNotes.MISSING:
+                    rows = set()
+                    _COUNTING_ROWS.put(base, rows)
+                rows.add(row)
         return result
 
     wrapper._flash_attn_hopper_wrapper = True
