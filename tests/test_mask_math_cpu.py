@@ -133,6 +133,9 @@ def test_tile_math_small(block_m, block_n, causal):
     "block_m,block_n,seqlen_q,seqlen_k,window",
     [
         (128, 128, 513, 700, (17, 3)),  # the GPU case, with the forward's tiles
+        (192, 128, 513, 700, (17, 3)),  # head_dim 64 forward, 192-row tiles
+        (192, 128, 1000, 1000, (-1, 0)),
+        (192, 128, 300, 1000, (64, -1)),
         (64, 128, 513, 700, (128, 0)),  # the head_dim 128 backward's tiles
         (128, 80, 300, 100, (20, 1000)),  # head_dim 256 forward, window wider than the sequence
         (128, 128, 700, 513, (0, 0)),
@@ -257,3 +260,4 @@ def test_deterministic_dq_order_is_deadlock_free_and_lets_causal_run_without_wai
     if causal or window[0] >= 0:
         assert waits == 0
         assert simulate_deterministic_dq(w, unlimited, decreasing=False) > 0  # what the old order cost
+

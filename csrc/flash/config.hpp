@@ -6,10 +6,10 @@ constexpr int kFwdPersistentMaxKeyBlocks = 32;
 
 // Shared memory per CTA = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2 bytes (Q once, K and V staged),
 // within the 227 KiB a CTA may take of the H200's 228 KiB per SM:
-//   hdim  64: 128 x 128, 2 stages ->  80 KiB
+//   hdim  64: 192 x 128, 2 stages ->  88 KiB (or 128 x 128 -> 80 KiB, chosen per mask: see below)
 //   hdim 128: 128 x 128, 2 stages -> 160 KiB
 //   hdim 256: 128 x  80, 2 stages -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
-// Two consumer warpgroups of 64 query rows each (kBlockM = 128). First configuration (2026-11-29): chosen to fit,
+// Two consumer warpgroups of 64 query rows each (kBlockM = 128; head_dim 64 also three, below). First configuration (2026-11-29): chosen to fit,
 // not yet tuned by measurement. kIntraWGOverlap (issue QKᵀ of the next block before the softmax of this one) needs
 // S, P and O live at once: head_dim 256 spills 76 bytes with it at 224 registers, so it runs without.
 // kPersistent: one CTA per SM loops over tiles (the next tile's loads overlap this tile's epilogue), chosen at run
@@ -19,6 +19,8 @@ constexpr int kFwdPersistentMaxKeyBlocks = 32;
 // state made it spill (100 B), so head_dim 256 keeps one CTA per tile.
 #pragma once
 
+#include <cstdint>
+
 namespace flash {
 
 template <int kHeadDim>
@@ -26,9 +28,23 @@ struct FwdTileConfig;
 
 template <>
 struct FwdTileConfig<64> {
+  static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2;
+  static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+};
+
+// head_dim 64, 192 rows: three consumer warpgroups at 160 registers (producer 32), as FlashAttention-3 runs head_dim
+// 64: the exp-bound softmax of one warpgroup hides under two others' GEMMs. H200, 2026-11-30, bf16 TFLOP/s vs the
+// 128-row tiles (same build): non-causal seqlen 2048 446 vs 419, 8192 488 vs 455, 16384 500 vs 450; causal 16384
+// 468 vs 448; but causal 512 160 vs 182 and 1024 228 vs 262 (a 192-row tile computes more masked pairs on the
+// diagonal and past seqlen_q). The consumers spill ~90 bytes (softmax row state and loop-invariant descriptors,
+// reloaded per key block) and still win where they run. run_fwd_sm90_hdim64 takes the 128-row tiles when the
+// 192-row ones would compute more than 1 / kFwd64WideCost times their query-key pairs: 0.92 is the measured time per
+// computed pair, 192 over 128 rows, 0.87-0.93 over seqlen 512-16384 (causal and not).
+struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
 };
+constexpr double kFwd64WideCost = 0.92;
 
 template <>
 struct FwdTileConfig<128> {

@@ -28,14 +28,15 @@ struct Window {
   int seqlen_q, seqlen_k;
   int window_left, window_right;  // >= 0
 
-  CUTLASS_DEVICE int offset() const { return seqlen_k - seqlen_q; }
+  CUTLASS_HOST_DEVICE int offset() const { return seqlen_k - seqlen_q; }
 
   // Key blocks [n_block_min, n_block_max) holding at least one key visible to some row of query block m_block.
-  CUTLASS_DEVICE void n_block_range(int m_block, int& n_block_min, int& n_block_max) const {
+  // (Also on the host: the forward's tile choice counts the blocks.)
+  CUTLASS_HOST_DEVICE void n_block_range(int m_block, int& n_block_min, int& n_block_max) const {
     int const first_row = m_block * kBlockM;
-    int const last_row = min(first_row + kBlockM, seqlen_q) - 1;
-    int const lo = max(first_row + offset() - window_left, 0);               // first visible key of any row
-    int const hi = min(last_row + offset() + window_right + 1, seqlen_k);    // one past the last one
+    int const last_row = cute::min(first_row + kBlockM, seqlen_q) - 1;
+    int const lo = cute::max(first_row + offset() - window_left, 0);             // first visible key of any row
+    int const hi = cute::min(last_row + offset() + window_right + 1, seqlen_k);  // one past the last one
     n_block_min = lo / kBlockN;
     n_block_max = hi <= lo ? n_block_min : cute::ceil_div(hi, kBlockN);
   }

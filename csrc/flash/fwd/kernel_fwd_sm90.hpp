@@ -5,8 +5,9 @@
 //   warpgroup 0        Producer: one thread picks the tiles and issues TMA loads of each tile's Q and of K, V
 //                      through a kStages-deep shared-memory pipeline (PipelineTmaAsync: full/empty mbarriers) that
 //                      runs on across tiles, so the next tile's loads overlap this tile's last GEMMs and epilogue.
-//   warpgroups 1..2    Consumers, 64 query rows each: S = Q Kᵀ (WGMMA, both operands in smem), mask, online
-//                      softmax (exp2), O += P V (WGMMA, P from registers, V from smem); epilogue writes O and LSE.
+//   warpgroups 1..     Consumers (kBlockM / 64), 64 query rows each: S = Q Kᵀ (WGMMA, both operands in smem),
+//                      mask, online softmax (exp2), O += P V (WGMMA, P from registers, V from smem); epilogue writes
+//                      O and LSE.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -38,10 +39,12 @@ struct FwdKernelTraits {
   static constexpr int NumMmaWarpGroups = kBlockM / 64;
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
-  // setmaxnreg budgets: 56 * 128 + 224 * 256 = 64512 of the 65536 registers per SM (24 made the producer spill).
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
-  static_assert(NumMmaWarpGroups == 2, "register budgets assume two consumer warpgroups");
+  static constexpr int kTurnBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;  // the waiter and the previous
+  // setmaxnreg budgets within the 65536 registers per SM: two consumer warpgroups 56 * 128 + 224 * 256 = 64512 (24
+  // made the producer spill); three 32 * 128 + 160 * 384 = 65536.
+  static_assert(NumMmaWarpGroups == 2 || NumMmaWarpGroups == 3, "register budgets for two or three consumers");
+  static constexpr int kProducerRegs = NumMmaWarpGroups == 2 ? 56 : 32;
+  static constexpr int kConsumerRegs = NumMmaWarpGroups == 2 ? 224 : 160;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q Kᵀ: (M, N, K = head_dim)
@@ -185,11 +188,23 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
   }
 }
 
+// The consumer side of a PipelineTmaAsync stage (one CTA, no cluster) straight on its barriers in shared memory:
+// their addresses are offsets from the shared-memory base, so no registers carry the pipeline objects' barrier
+// pointers through the main loop (with three consumer warpgroups at 160 registers those pointers were spilled and
+// reloaded every key block).
+template <class PipelineStorage, class State>
+CUTLASS_DEVICE void stage_wait(PipelineStorage& storage, State const& state) {
+  storage.full_barrier_[state.index()].wait(state.phase());
+}
+template <class PipelineStorage, class State>
+CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) {
+  storage.empty_barrier_[state.index()].arrive();
+}
+
 // Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). kSoftcap is a template
 // argument, not a runtime flag: its live registers made head_dim 256 spill even with the flag off.
 template <class Traits, bool kSoftcap>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                 typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
                                  int n_block_max) {
@@ -226,18 +241,22 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   };
   clear(tOrO);
 
-  // Ping-pong between the two consumer warpgroups (FlashAttention-3 paper §3.1): a warpgroup issues its GEMMs only
-  // in its turn and hands the turn over right after, so one warpgroup's softmax runs under the other's GEMMs.
-  // Named barrier (user id) 2 + w is warpgroup w's turn; the other warpgroup arrives on it. Both warpgroups take
-  // the same number of turns per tile; warpgroup 1's last hand-over of a tile is warpgroup 0's first turn of the
-  // next (the kernel makes the first hand-over and takes the last one), so neither runs two arrivals ahead.
+  // Ping-pong between the consumer warpgroups (FlashAttention-3 paper §3.1; a round robin with three): a warpgroup
+  // issues its GEMMs only in its turn and hands the turn to the next right after, so one warpgroup's softmax runs
+  // under the others' GEMMs. Named barrier (user id) 2 + w is warpgroup w's turn (its 128 threads wait, the previous
+  // warpgroup's 128 arrive). All warpgroups take the same number of turns per tile; the last warpgroup's last
+  // hand-over of a tile is warpgroup 0's first turn of the next (the kernel makes the first hand-over and takes the
+  // last one), so none runs two arrivals ahead.
   int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
   bool const pingpong = params.pingpong && n_block_max > n_block_min;
   auto wait_turn = [&] {
-    if (pingpong) { cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 2 + wg); }
+    if (pingpong) { cutlass::arch::NamedBarrier::sync(Traits::kTurnBarrierThreads, 2 + wg); }
   };
   auto pass_turn = [&] {
-    if (pingpong) { cutlass::arch::NamedBarrier::arrive(Traits::NumMmaThreads, 2 + (1 - wg)); }
+    if (pingpong) {
+      int const next = wg + 1 == Traits::NumMmaWarpGroups ? 0 : wg + 1;
+      cutlass::arch::NamedBarrier::arrive(Traits::kTurnBarrierThreads, 2 + next);
+    }
   };
 
   if (n_block_max > n_block_min) {
@@ -249,12 +268,12 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     Tensor tOrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));  // P of the previous block, A operand
 
     int n_block = n_block_max - 1;
-    pipeline_k.consumer_wait(k_state);
+    stage_wait(ss.pipeline_k, k_state);
     wait_turn();
     wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
     pass_turn();
     warpgroup_wait<0>();
-    pipeline_k.consumer_release(k_state);
+    stage_release(ss.pipeline_k, k_state);
     ++k_state;
     prepare_scores(tSrS, n_block);
     softmax.step(tSrS);  // O is still zero: nothing to rescale
@@ -263,36 +282,36 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     for (--n_block; n_block >= n_block_min; --n_block) {
       Tensor tSrS = S();
       if constexpr (!Traits::kIntraWGOverlap) {  // finish P V of the previous block first (fewer live registers)
-        pipeline_v.consumer_wait(v_state);
-        pipeline_k.consumer_wait(k_state);
+        stage_wait(ss.pipeline_v, v_state);
+        stage_wait(ss.pipeline_k, k_state);
         wait_turn();
         wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
         warpgroup_wait<0>();  // P's registers die before S's accumulator is born
-        pipeline_v.consumer_release(v_state);
+        stage_release(ss.pipeline_v, v_state);
         ++v_state;
         wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
         pass_turn();
         warpgroup_wait<0>();
-        pipeline_k.consumer_release(k_state);
+        stage_release(ss.pipeline_k, k_state);
         ++k_state;
         prepare_scores(tSrS, n_block);
         OnlineSoftmax<kRows>::scale_rows(tOrO, softmax.step(tSrS));
         convert_type_into(tSrS, tOrP);
         continue;
       }
-      pipeline_k.consumer_wait(k_state);
-      pipeline_v.consumer_wait(v_state);
+      stage_wait(ss.pipeline_k, k_state);
+      stage_wait(ss.pipeline_v, v_state);
       wait_turn();
       wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
       wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
       pass_turn();
       warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
-      pipeline_k.consumer_release(k_state);
+      stage_release(ss.pipeline_k, k_state);
       ++k_state;
       prepare_scores(tSrS, n_block);
       auto rescale = softmax.step(tSrS);
       warpgroup_wait<0>();  // O and the registers of P are free again
-      pipeline_v.consumer_release(v_state);
+      stage_release(ss.pipeline_v, v_state);
       ++v_state;
       OnlineSoftmax<kRows>::scale_rows(tOrO, rescale);
       convert_type_into(tSrS, tOrP);
@@ -300,12 +319,12 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
     // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
     ss.barrier_q_empty.arrive();
-    pipeline_v.consumer_wait(v_state);
+    stage_wait(ss.pipeline_v, v_state);
     wait_turn();
     wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
     pass_turn();
     warpgroup_wait<0>();
-    pipeline_v.consumer_release(v_state);
+    stage_release(ss.pipeline_v, v_state);
     ++v_state;
   } else {
     ss.barrier_q_empty.arrive();
@@ -414,7 +433,8 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
-    if (params.pingpong && wg == 1) { cutlass::arch::NamedBarrier::arrive(Traits::NumMmaThreads, 2 + 0); }  // wg 0 first
+    bool const last_wg = wg + 1 == Traits::NumMmaWarpGroups;
+    if (params.pingpong && last_wg) { cutlass::arch::NamedBarrier::arrive(Traits::kTurnBarrierThreads, 2 + 0); }  // wg 0 first
     typename Traits::PipelineState k_state, v_state;
     for (int iter = 0;; ++iter) {
       ss.barrier_q.wait(iter & 1);
@@ -422,12 +442,12 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       if (tile < 0) { break; }
       int m_block, bidh, n_block_min, n_block_max;
       SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
-      fwd_consumer<Traits, kSoftcap>(params, ss, pipeline_k, pipeline_v, k_state, v_state, mma_tidx, m_block, bidh,
-                                     info, n_block_min, n_block_max);
+      fwd_consumer<Traits, kSoftcap>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
+                                     n_block_max);
       if constexpr (!Traits::kPersistent) { break; }
     }
-    // Warpgroup 1's last hand-over is left on warpgroup 0's barrier: take it.
-    if (params.pingpong && wg == 0) { cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 2 + 0); }
+    // The last warpgroup's last hand-over is left on warpgroup 0's barrier: take it.
+    if (params.pingpong && wg == 0) { cutlass::arch::NamedBarrier::sync(Traits::kTurnBarrierThreads, 2 + 0); }
   }
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 
 #include <cuda_runtime.h>
 
@@ -16,9 +17,8 @@
 
 namespace flash {
 
-template <class Element, int kHeadDim>
-cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
-  using Cfg = FwdTileConfig<kHeadDim>;
+template <class Element, int kHeadDim, class Cfg>
+cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap,
                                  Cfg::kPersistent>;
   // Any head_dim that is a multiple of 8 (16-byte rows for TMA) up to the tile width: the columns past it are
@@ -93,6 +93,56 @@ cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   dim3 grid(persistent ? int(std::min<int64_t>(num_tiles, p.num_sms)) : int(num_tiles));
   kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
   return cudaGetLastError();
+}
+
+// Query-key pairs that forward tiles of kBlockM x kBlockN compute for one (sequence, head): the key-block ranges of
+// the query blocks (flash/common/mask.hpp) times the tile area. Long sequences are sampled (at most ~256 query
+// blocks), which keeps this a few hundred integer operations per call.
+template <int kBlockM, int kBlockN>
+double fwd_tile_pairs(int seqlen_q, int seqlen_k, int window_left, int window_right) {
+  Window<kBlockM, kBlockN> const window{seqlen_q, seqlen_k, window_left, window_right};
+  int const num_m_blocks = cute::ceil_div(seqlen_q, kBlockM);
+  int const step = std::max(1, num_m_blocks / 256);
+  int64_t blocks = 0;
+  for (int m_block = 0; m_block < num_m_blocks; m_block += step) {
+    int lo, hi;
+    window.n_block_range(m_block, lo, hi);
+    blocks += hi - lo;
+  }
+  return double(blocks) * step * kBlockM * kBlockN;
+}
+
+// head_dim 64 tiles (config.hpp): 192 rows unless the mask makes them compute more than 1 / kFwd64WideCost times
+// the pairs of 128-row tiles (a causal diagonal or narrow window, a last query block mostly past seqlen_q).
+// FAH_FWD_BLOCK_M=128 or 192 forces one (development).
+template <class Element>
+cudaError_t run_fwd_sm90_hdim64(FwdParams const& p, cudaStream_t stream) {
+  using Wide = FwdTileConfig<64>;
+  using Narrow = FwdTileConfig64Narrow;
+  static int const forced = [] {
+    char const* v = std::getenv("FAH_FWD_BLOCK_M");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  bool wide = forced == Wide::kBlockM;
+  if (forced != Wide::kBlockM && forced != Narrow::kBlockM) {
+    int window_left, window_right;
+    kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
+    double const pairs_wide =
+        fwd_tile_pairs<Wide::kBlockM, Wide::kBlockN>(p.seqlen_q, p.seqlen_k, window_left, window_right);
+    double const pairs_narrow =
+        fwd_tile_pairs<Narrow::kBlockM, Narrow::kBlockN>(p.seqlen_q, p.seqlen_k, window_left, window_right);
+    wide = pairs_wide * kFwd64WideCost <= pairs_narrow;
+  }
+  return wide ? run_fwd_sm90_cfg<Element, 64, Wide>(p, stream) : run_fwd_sm90_cfg<Element, 64, Narrow>(p, stream);
+}
+
+template <class Element, int kHeadDim>
+cudaError_t run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
+  if constexpr (kHeadDim == 64) {
+    return run_fwd_sm90_hdim64<Element>(p, stream);
+  } else {
+    return run_fwd_sm90_cfg<Element, kHeadDim, FwdTileConfig<kHeadDim>>(p, stream);
+  }
 }
 
 }  // namespace flash
