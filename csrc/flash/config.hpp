@@ -4,14 +4,15 @@
 // tiles gain nothing from overlapping the epilogue and lose to the tile loop's extra live registers).
 constexpr int kFwdPersistentMaxKeyBlocks = 32;
 
-// Shared memory per CTA = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2 bytes (Q once, K and V staged),
-// within the 227 KiB a CTA may take of the H200's 228 KiB per SM:
-//   hdim  64: 192 x 128, 2 stages ->  88 KiB (or 128 x 128 -> 80 KiB, chosen per mask: see below)
-//   hdim 128: 128 x 128, 2 stages -> 160 KiB
-//   hdim 256: 128 x  80, 2 stages -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
-// Two consumer warpgroups of 64 query rows each (kBlockM = 128; head_dim 64 also three, below). First configuration (2026-11-29): chosen to fit,
-// not yet tuned by measurement. kIntraWGOverlap (issue QKᵀ of the next block before the softmax of this one) needs
-// S, P and O live at once: head_dim 256 spills 76 bytes with it at 224 registers, so it runs without.
+// Shared memory per CTA = (kQBuffers * kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2 bytes (Q, K and V staged;
+// persistent CTAs double-buffer Q), within the 227 KiB a CTA may take of the H200's 228 KiB per SM:
+//   hdim  64: 192 x 128, 2 stages, 2 Q -> 112 KiB (or 128 x 128 -> 96 KiB, chosen per mask: see below)
+//   hdim 128: 128 x 128, 2 stages, 2 Q -> 192 KiB
+//   hdim 256: 128 x  80, 2 stages, 1 Q -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
+// Two consumer warpgroups of 64 query rows each (kBlockM = 128; head_dim 64 also three, below). First configuration
+// (2026-11-29): chosen to fit, not yet tuned by measurement. kIntraWGOverlap (issue QKᵀ of the next block before the
+// softmax of this one) needs S, P and O live at once: head_dim 256 spills 76 bytes with it at 224 registers, so it
+// runs without.
 // kPersistent: one CTA per SM loops over tiles (the next tile's loads overlap this tile's epilogue), chosen at run
 // time for short key ranges (run_fwd_sm90). H200, 2026-11-30, bf16 TFLOP/s persistent vs one CTA per tile (same
 // build): head_dim 128 seqlen 512 416 vs 365, 2048 549 vs 529, causal 1024 364 vs 335, but causal 8192 538 vs 560;

@@ -69,15 +69,19 @@ struct FwdKernelTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
+  // Persistent CTAs hold two Q buffers: the producer loads the next tile's Q (and starts its K/V) while this tile
+  // still runs, instead of waiting for every consumer to finish this tile's last QKᵀ.
+  static constexpr int kQBuffers = kPersistent ? 2 : 1;
+
   struct SharedStorage {
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
-    cutlass::arch::ClusterTransactionBarrier barrier_q;  // Q of the next tile loaded (and tile_idx written)
-    cutlass::arch::ClusterBarrier barrier_q_empty;       // consumers done with sQ and tile_idx
+    cutlass::arch::ClusterTransactionBarrier barrier_q[kQBuffers];  // Q of a tile loaded (and tile_idx written)
+    cutlass::arch::ClusterBarrier barrier_q_empty[kQBuffers];       // consumers done with that sQ and tile_idx
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
-    int tile_idx;  // the producer's tile for the consumers; -1: no more tiles
+    int tile_idx[kQBuffers];  // the producer's tile for the consumers; -1: no more tiles
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
@@ -147,13 +151,13 @@ struct FwdKernelTraits {
 template <class Traits>
 CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline_k, typename Traits::Pipeline& pipeline_v,
-                                 typename Traits::PipelineState& write_state, int m_block, int bidh,
+                                 typename Traits::PipelineState& write_state, int q_buf, int m_block, int bidh,
                                  SeqlenInfo const& info, int n_block_min, int n_block_max) {
   using Element = typename Traits::Element;
   using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});   // (M, d)
+  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q[q_buf].data()), typename Traits::SmemLayoutQ{});  // (M, d)
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});  // (N, d, stages)
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});  // (N, d, stages)
 
@@ -174,8 +178,8 @@ CUTLASS_DEVICE void fwd_producer(typename Traits::Params const& params, typename
   auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-  ss.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-  copy(params.tma_q.with(reinterpret_cast<BarrierType&>(ss.barrier_q), 0), tQgQ, tQsQ);
+  ss.barrier_q[q_buf].arrive_and_expect_tx(Traits::kTmaBytesQ);
+  copy(params.tma_q.with(reinterpret_cast<BarrierType&>(ss.barrier_q[q_buf]), 0), tQgQ, tQsQ);
 
   for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
     pipeline_k.producer_acquire(write_state);
@@ -202,12 +206,14 @@ CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) 
 }
 
 // Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). kSoftcap is a template
-// argument, not a runtime flag: its live registers made head_dim 256 spill even with the flag off.
-template <class Traits, bool kSoftcap>
+// argument, not a runtime flag: its live registers made head_dim 256 spill even with the flag off. So is the Q
+// buffer: with a runtime index the Q descriptor stayed live through the main loop and spilled (head_dim 128: 60 B).
+template <class Traits, bool kSoftcap, int kQBuf>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
                                  int n_block_max) {
+  constexpr int q_buf = kQBuf;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
@@ -216,7 +222,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   auto thr_mma_qk = tiled_mma_qk.get_thread_slice(mma_tidx);
   auto thr_mma_pv = tiled_mma_pv.get_thread_slice(mma_tidx);
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q[q_buf].data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutVt{});
   Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
@@ -318,7 +324,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     }
 
     // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
-    ss.barrier_q_empty.arrive();
+    ss.barrier_q_empty[q_buf].arrive();
     stage_wait(ss.pipeline_v, v_state);
     wait_turn();
     wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
@@ -327,7 +333,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     stage_release(ss.pipeline_v, v_state);
     ++v_state;
   } else {
-    ss.barrier_q_empty.arrive();
+    ss.barrier_q_empty[q_buf].arrive();
   }
 
   // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q and columns past head_dim_v are not
@@ -379,8 +385,10 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    ss.barrier_q.init(/*arrive_count=*/1);
-    ss.barrier_q_empty.init(/*arrive_count=*/Traits::NumMmaThreads);
+    for (int b = 0; b < Traits::kQBuffers; ++b) {
+      ss.barrier_q[b].init(/*arrive_count=*/1);
+      ss.barrier_q_empty[b].init(/*arrive_count=*/Traits::NumMmaThreads);
+    }
   }
 
   typename Pipeline::Params pipeline_params;
@@ -402,10 +410,12 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       auto write_state = cutlass::make_producer_start_state<Pipeline>();
       int tile = blockIdx.x;
       for (int iter = 0;; ++iter) {
-        if (iter > 0) { ss.barrier_q_empty.wait((iter - 1) & 1); }
+        // Tile iter goes to Q buffer iter % kQBuffers, once the consumers are done with its previous use.
+        int const q_buf = iter % Traits::kQBuffers;
+        if (iter >= Traits::kQBuffers) { ss.barrier_q_empty[q_buf].wait((iter / Traits::kQBuffers - 1) & 1); }
         if (tile >= params.num_tiles) {
-          ss.tile_idx = -1;
-          ss.barrier_q.arrive();
+          ss.tile_idx[q_buf] = -1;
+          ss.barrier_q[q_buf].arrive();
           break;
         }
         // Ask for the next tile now: the atomic's latency passes while this tile's loads are issued.
@@ -415,12 +425,12 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
         }
         int m_block, bidh, n_block_min, n_block_max;
         SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
-        ss.tile_idx = tile;
+        ss.tile_idx[q_buf] = tile;
         if (n_block_max > n_block_min) {
-          fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, write_state, m_block, bidh, info, n_block_min,
-                               n_block_max);
+          fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, write_state, q_buf, m_block, bidh, info,
+                               n_block_min, n_block_max);
         } else {
-          ss.barrier_q.arrive();  // no key to see: the consumers write zeros and LSE -inf
+          ss.barrier_q[q_buf].arrive();  // no key to see: the consumers write zeros and LSE -inf
         }
         if constexpr (!Traits::kPersistent) { break; }  // one tile per CTA: no hand-over of a next one
         tile = next;
@@ -434,16 +444,23 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
     bool const last_wg = wg + 1 == Traits::NumMmaWarpGroups;
-    if (params.pingpong && last_wg) { cutlass::arch::NamedBarrier::arrive(Traits::kTurnBarrierThreads, 2 + 0); }  // wg 0 first
+    // Warpgroup 0 takes the first turn.
+    if (params.pingpong && last_wg) { cutlass::arch::NamedBarrier::arrive(Traits::kTurnBarrierThreads, 2 + 0); }
     typename Traits::PipelineState k_state, v_state;
     for (int iter = 0;; ++iter) {
-      ss.barrier_q.wait(iter & 1);
-      int const tile = ss.tile_idx;
+      int const q_buf = iter % Traits::kQBuffers;
+      ss.barrier_q[q_buf].wait((iter / Traits::kQBuffers) & 1);
+      int const tile = ss.tile_idx[q_buf];
       if (tile < 0) { break; }
       int m_block, bidh, n_block_min, n_block_max;
       SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
-      fwd_consumer<Traits, kSoftcap>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
-                                     n_block_max);
+      if (q_buf == 0) {
+        fwd_consumer<Traits, kSoftcap, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
+                                          n_block_max);
+      } else if constexpr (Traits::kQBuffers > 1) {
+        fwd_consumer<Traits, kSoftcap, 1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
+                                          n_block_max);
+      }
       if constexpr (!Traits::kPersistent) { break; }
     }
     // The last warpgroup's last hand-over is left on warpgroup 0's barrier: take it.
