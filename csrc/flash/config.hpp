@@ -34,18 +34,20 @@ struct FwdTileConfig<64> {
 };
 
 // head_dim 64, 192 rows: three consumer warpgroups at 160 registers (producer 32), as FlashAttention-3 runs head_dim
-// 64: the exp-bound softmax of one warpgroup hides under two others' GEMMs. H200, 2026-11-30, bf16 TFLOP/s vs the
-// 128-row tiles (same build): non-causal seqlen 2048 446 vs 419, 8192 488 vs 455, 16384 500 vs 450; causal 16384
-// 468 vs 448; but causal 512 160 vs 182 and 1024 228 vs 262 (a 192-row tile computes more masked pairs on the
-// diagonal and past seqlen_q). The consumers spill ~90 bytes (softmax row state and loop-invariant descriptors,
-// reloaded per key block) and still win where they run. run_fwd_sm90_hdim64 takes the 128-row tiles when the
-// 192-row ones would compute more than 1 / kFwd64WideCost times their query-key pairs: 0.92 is the measured time per
-// computed pair, 192 over 128 rows, 0.87-0.93 over seqlen 512-16384 (causal and not).
+// 64: the exp-bound softmax of one warpgroup hides under two others' GEMMs. The consumers spill ~90 bytes (softmax row
+// state and loop-invariant descriptors, reloaded per key block) and still win where they run. A 192-row tile computes
+// more masked pairs on a causal diagonal and past seqlen_q, so run_fwd_sm90_hdim64 takes the 128-row tiles when the
+// 192-row ones would compute more than 1 / kFwd64WideCost* times their query-key pairs. The costs are the measured
+// time per computed pair, 192 over 128 rows (H200, 2026-11-30, session 5 run 6, double-buffered Q, bf16 TFLOP/s
+// forced 128 / 192): no mask 512 331/345, 1024 388/386, 2048 422/446, 4096 437/464, 8192 446/482, 16384 449/487
+// (0.85-0.92 per pair); causal 512 209/182, 1024 285/236, 2048 353/333, 4096 401/380, 8192 417/428, 16384 438/455
+// (0.85-0.97 per pair, 0.94-0.97 from 2048 up).
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
 };
-constexpr double kFwd64WideCost = 0.92;
+constexpr double kFwd64WideCostFull = 0.88;    // no causal mask or window
+constexpr double kFwd64WideCostMasked = 0.95;  // causal or windowed
 
 template <>
 struct FwdTileConfig<128> {

@@ -112,9 +112,9 @@ double fwd_tile_pairs(int seqlen_q, int seqlen_k, int window_left, int window_ri
   return double(blocks) * step * kBlockM * kBlockN;
 }
 
-// head_dim 64 tiles (config.hpp): 192 rows unless the mask makes them compute more than 1 / kFwd64WideCost times
-// the pairs of 128-row tiles (a causal diagonal or narrow window, a last query block mostly past seqlen_q).
-// FAH_FWD_BLOCK_M=128 or 192 forces one (development).
+// head_dim 64 tiles (config.hpp): 192 rows unless they would compute more than 1 / kFwd64WideCost* times the pairs of
+// 128-row tiles (a causal diagonal or narrow window, a last query block mostly past seqlen_q). FAH_FWD_BLOCK_M=128 or
+// 192 forces one (development).
 template <class Element>
 cudaError_t run_fwd_sm90_hdim64(FwdParams const& p, cudaStream_t stream) {
   using Wide = FwdTileConfig<64>;
@@ -131,7 +131,9 @@ cudaError_t run_fwd_sm90_hdim64(FwdParams const& p, cudaStream_t stream) {
         fwd_tile_pairs<Wide::kBlockM, Wide::kBlockN>(p.seqlen_q, p.seqlen_k, window_left, window_right);
     double const pairs_narrow =
         fwd_tile_pairs<Narrow::kBlockM, Narrow::kBlockN>(p.seqlen_q, p.seqlen_k, window_left, window_right);
-    wide = pairs_wide * kFwd64WideCost <= pairs_narrow;
+    // kernel_window turns a side wider than the sequence into one past it: such a side masks nothing.
+    bool const masked = window_left <= p.seqlen_k || window_right <= p.seqlen_q;
+    wide = pairs_wide * (masked ? kFwd64WideCostMasked : kFwd64WideCostFull) <= pairs_narrow;
   }
   return wide ? run_fwd_sm90_cfg<Element, 64, Wide>(p, stream) : run_fwd_sm90_cfg<Element, 64, Narrow>(p, stream);
 }
