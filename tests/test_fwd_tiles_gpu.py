@@ -1,8 +1,12 @@
-"""The forward's host-side tile choice with each option forced in a fresh process, over the head_dim 64 forward,
-varlen and feature tests (tests/test_fwd_gpu.py, tests/test_varlen_gpu.py, tests/test_features_gpu.py), so that every
-tile shape the host can pick is checked against the reference, not only the one it picks for each test's shape:
-FAH_FWD_BLOCK_M=128 / 192 runs head_dim 64 on 128-row (two consumer warpgroups) or 192-row (three) tiles; left
-alone, the host picks per mask and length (csrc/flash/fwd/launch_fwd_sm90.hpp, run_fwd_sm90_hdim64).
+"""The forward's head_dim 64 tile choice with each option forced in a fresh process (FAH_FWD_BLOCK_M=128 or 192:
+two or three consumer warpgroups), so that every tile shape the launcher can pick is checked against the reference,
+not only the one it picks for each test's shape (csrc/flash/fwd/tile_choice.hpp; the choice itself is tested on CPU
+in tests/test_tile_choice_cpu.py):
+
+- the forced height is the one that runs (the kernel's name in a profile) even where the launcher would pick the
+  other;
+- the forward, varlen and feature test files (tests/test_fwd_gpu.py, tests/test_varlen_gpu.py,
+  tests/test_features_gpu.py) pass whole under it.
 
 Skipped, with the reason, without an sm90 GPU and the built extension (see conftest.py)."""
 
@@ -11,25 +15,54 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from gpu_helpers import require_built as _require_built
+from gpu_helpers import built_dtype as _built_dtype
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["tests/test_fwd_gpu.py", "tests/test_varlen_gpu.py", "tests/test_features_gpu.py"]
 
+# Runs one head_dim 64 forward where the launcher would pick the other height (causal 512 -> 128 rows, non-causal
+# 4096 -> 192 rows) and prints the forward kernel's name.
+_KERNEL_NAME = """
+import sys, torch, flash_attn_hopper
+from torch.profiler import ProfilerActivity, profile
+dtype = getattr(torch, sys.argv[1])
+causal = sys.argv[2] == "causal"
+seqlen = 512 if causal else 4096
+q, k, v = (torch.randn(8, seqlen, 16, 64, device="cuda", dtype=dtype) for _ in range(3))
+flash_attn_hopper.attention(q, k, v, causal=causal)
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    flash_attn_hopper.attention(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+names = {e.key for e in prof.key_averages() if "flash_fwd_sm90_kernel" in e.key}
+print("KERNELS", sorted(names))
+"""
 
-@pytest.mark.parametrize(
-    "env", [{"FAH_FWD_BLOCK_M": "128"}, {"FAH_FWD_BLOCK_M": "192"}], ids=["block_m_128", "block_m_192"],
-)
-def test_forced_forward_choice_passes_the_head_dim_64_tests(env):
-    _require_built(64, torch.bfloat16)
+
+def _env(block_m):
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, FAH_FWD_BLOCK_M=str(block_m), PYTHONPATH=path)
+
+
+@pytest.mark.parametrize("block_m,causal", [(192, "causal"), (128, "full")])
+def test_forced_block_m_is_the_kernel_that_runs(block_m, causal):
+    dtype = _built_dtype(64)
+    r = subprocess.run([sys.executable, "-c", _KERNEL_NAME, str(dtype).split(".")[-1], causal], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=_env(block_m))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    line = [l for l in r.stdout.splitlines() if l.startswith("KERNELS")][-1]
+    assert f", 64, {block_m}, 128, " in line, line
+    assert f", 64, {320 - block_m}, 128, " not in line, line
+
+
+@pytest.mark.parametrize("block_m", [128, 192])
+def test_forced_block_m_passes_the_forward_tests(block_m):
+    _built_dtype(64)
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "64", *FILES],
-        cwd=ROOT, capture_output=True, text=True, timeout=140,
-        env=dict(os.environ, **env, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))),
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *FILES],
+        cwd=ROOT, capture_output=True, text=True, timeout=140, env=_env(block_m),
     )
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail

@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "flash/config.hpp"
+#include "flash/fwd/tile_choice.hpp"
 #include "flash/dispatch.hpp"
 #include "flash/params.hpp"
 
@@ -74,6 +75,23 @@ Kernels select_kernels(int head_dim, at::ScalarType dtype) {
 #endif
 #undef FAH_CASE
   return Kernels{};
+}
+
+// The forward's tile height (query rows per CTA tile) for a problem, as the launcher picks it (flash/fwd/tile_choice.hpp;
+// FAH_FWD_BLOCK_M forces it), for tests and benchmarks. Arguments as attention's; num_sms: the GPU's SM count.
+int64_t fwd_block_m(int64_t head_dim, int64_t head_dim_v, int64_t batch, int64_t nheads, int64_t seqlen_q,
+                    int64_t seqlen_k, bool causal, int64_t window_left, int64_t window_right, int64_t num_sms) {
+  int const padded = padded_head_dim(std::max(head_dim, head_dim_v));
+  TORCH_CHECK(padded != 0 && padded_head_dim(std::min(head_dim, head_dim_v)) != 0,
+              "head_dim and head_dim_v must be multiples of 8 in [8, 256], got ", head_dim, " and ", head_dim_v);
+  TORCH_CHECK(batch >= 1 && nheads >= 1 && num_sms >= 1 && seqlen_q >= 0 && seqlen_k >= 0 && seqlen_q < (1 << 30) &&
+                  seqlen_k < (1 << 30) && num_sms <= INT32_MAX,
+              "fwd_block_m: batch, nheads and num_sms must be >= 1 and the lengths in [0, 2^30)");
+  TORCH_CHECK(window_left >= -1 && window_right >= -1 && (!causal || window_right <= 0),
+              "fwd_block_m: window sides must be >= -1 (right 0 or -1 when causal)");
+  auto side = [](int64_t w) { return w < 0 || w > INT32_MAX ? -1 : int(w); };
+  return flash::fwd_block_m(padded, int(seqlen_q), int(seqlen_k), side(window_left), causal ? 0 : side(window_right),
+                            batch * nheads, int(num_sms));
 }
 
 std::string build_config() {
@@ -280,11 +298,11 @@ void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::T
   p.softcap = opts.softcap;
   p.window_left = opts.window_left, p.window_right = opts.window_right;
   p.pingpong = fwd_pingpong();
+  p.num_sms = num_sms(q);
   at::Tensor tile_counter;
   if (fwd_persistent()) {
     tile_counter = zeroed({1}, q.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
-    p.num_sms = num_sms(q);
   }
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper forward launch failed: ", cudaGetErrorString(err));
@@ -721,6 +739,10 @@ TORCH_LIBRARY(flash_attn_hopper, m) {
       " bool causal, int window_left, int window_right, float softcap, bool deterministic)"
       " -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("build_config() -> str", &build_config);
+  m.def(
+      "fwd_block_m(int head_dim, int head_dim_v, int batch, int nheads, int seqlen_q, int seqlen_k, bool causal,"
+      " int window_left, int window_right, int num_sms) -> int",
+      &fwd_block_m);
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) {

@@ -46,7 +46,7 @@ struct FwdParams {
   // Persistent launch: num_sms CTAs take (m_block, head, batch) tiles from this zeroed int32 counter. Null: one CTA
   // per tile.
   int* tile_counter;
-  int num_sms;
+  int num_sms;  // the device's SMs (also the head_dim 64 tile choice)
 };
 
 struct BwdParams {

@@ -7,32 +7,24 @@
 
 #include <cute/tensor.hpp>
 
+#include "flash/common/block_range.hpp"
 #include "flash/common/utils.hpp"
 
 namespace flash {
 
 using namespace cute;
 
-// Host: the user's window sides (-1 = unbounded) as the kernels take them: a side that no distance can exceed
-// (left > seqlen_k, right > seqlen_q) becomes that bound plus a tile's worth of rows, so unbounded and very wide
-// windows share one path, the padding rows of a last tile still see every key (no needless masking), and the kernels'
-// sums cannot overflow.
-constexpr int kWindowHeadroom = 256;  // >= every kBlockM and kBlockN
-inline void kernel_window(int window_left, int window_right, int seqlen_q, int seqlen_k, int& left, int& right) {
-  left = (window_left < 0 || window_left > seqlen_k) ? seqlen_k + kWindowHeadroom : window_left;
-  right = (window_right < 0 || window_right > seqlen_q) ? seqlen_q + kWindowHeadroom : window_right;
-}
-
 template <int kBlockM, int kBlockN>
 struct Window {
   int seqlen_q, seqlen_k;
   int window_left, window_right;  // >= 0
 
-  CUTLASS_HOST_DEVICE int offset() const { return seqlen_k - seqlen_q; }
+  CUTLASS_DEVICE int offset() const { return seqlen_k - seqlen_q; }
 
-  // Key blocks [n_block_min, n_block_max) holding at least one key visible to some row of query block m_block.
-  // (Also on the host: the forward's tile choice counts the blocks.)
-  CUTLASS_HOST_DEVICE void n_block_range(int m_block, int& n_block_min, int& n_block_max) const {
+  // Key blocks [n_block_min, n_block_max) holding at least one key visible to some row of query block m_block. The
+  // host's key_block_range (flash/common/block_range.hpp) is the same sums; the kernels keep this form, the one
+  // measured on the H200 (sharing that one compiled the backward's deterministic kernels to other instructions).
+  CUTLASS_DEVICE void n_block_range(int m_block, int& n_block_min, int& n_block_max) const {
     int const first_row = m_block * kBlockM;
     int const last_row = cute::min(first_row + kBlockM, seqlen_q) - 1;
     int const lo = cute::max(first_row + offset() - window_left, 0);             // first visible key of any row

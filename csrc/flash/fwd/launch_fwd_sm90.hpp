@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 
 #include <cuda_runtime.h>
 
@@ -13,6 +12,7 @@
 #include "flash/common/tma.hpp"
 #include "flash/config.hpp"
 #include "flash/fwd/kernel_fwd_sm90.hpp"
+#include "flash/fwd/tile_choice.hpp"
 #include "flash/params.hpp"
 
 namespace flash {
@@ -95,47 +95,13 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Query-key pairs that forward tiles of kBlockM x kBlockN compute for one (sequence, head): the key-block ranges of
-// the query blocks (flash/common/mask.hpp) times the tile area. Long sequences are sampled (at most ~256 query
-// blocks), which keeps this a few hundred integer operations per call.
-template <int kBlockM, int kBlockN>
-double fwd_tile_pairs(int seqlen_q, int seqlen_k, int window_left, int window_right) {
-  Window<kBlockM, kBlockN> const window{seqlen_q, seqlen_k, window_left, window_right};
-  int const num_m_blocks = cute::ceil_div(seqlen_q, kBlockM);
-  int const step = std::max(1, num_m_blocks / 256);
-  int64_t blocks = 0;
-  for (int m_block = 0; m_block < num_m_blocks; m_block += step) {
-    int lo, hi;
-    window.n_block_range(m_block, lo, hi);
-    blocks += hi - lo;
-  }
-  return double(blocks) * step * kBlockM * kBlockN;
-}
-
-// head_dim 64 tiles (config.hpp): 192 rows unless they would compute more than 1 / kFwd64WideCost* times the pairs of
-// 128-row tiles (a causal diagonal or narrow window, a last query block mostly past seqlen_q). FAH_FWD_BLOCK_M=128 or
-// 192 forces one (development).
+// head_dim 64: 192 or 128 rows per tile (flash/fwd/tile_choice.hpp).
 template <class Element>
 cudaError_t run_fwd_sm90_hdim64(FwdParams const& p, cudaStream_t stream) {
-  using Wide = FwdTileConfig<64>;
-  using Narrow = FwdTileConfig64Narrow;
-  static int const forced = [] {
-    char const* v = std::getenv("FAH_FWD_BLOCK_M");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
-  bool wide = forced == Wide::kBlockM;
-  if (forced != Wide::kBlockM && forced != Narrow::kBlockM) {
-    int window_left, window_right;
-    kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
-    double const pairs_wide =
-        fwd_tile_pairs<Wide::kBlockM, Wide::kBlockN>(p.seqlen_q, p.seqlen_k, window_left, window_right);
-    double const pairs_narrow =
-        fwd_tile_pairs<Narrow::kBlockM, Narrow::kBlockN>(p.seqlen_q, p.seqlen_k, window_left, window_right);
-    // kernel_window turns a side wider than the sequence into one past it: such a side masks nothing.
-    bool const masked = window_left <= p.seqlen_k || window_right <= p.seqlen_q;
-    wide = pairs_wide * (masked ? kFwd64WideCostMasked : kFwd64WideCostFull) <= pairs_narrow;
-  }
-  return wide ? run_fwd_sm90_cfg<Element, 64, Wide>(p, stream) : run_fwd_sm90_cfg<Element, 64, Narrow>(p, stream);
+  int const block_m = fwd_block_m_hdim64(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
+                                         int64_t(p.nheads) * p.batch, p.num_sms);
+  return block_m == FwdTileConfig<64>::kBlockM ? run_fwd_sm90_cfg<Element, 64, FwdTileConfig<64>>(p, stream)
+                                               : run_fwd_sm90_cfg<Element, 64, FwdTileConfig64Narrow>(p, stream);
 }
 
 template <class Element, int kHeadDim>

@@ -1,0 +1,129 @@
+"""The forward's tile height choice (csrc/flash/fwd/tile_choice.hpp), through the op that exposes it
+(torch.ops.flash_attn_hopper.fwd_block_m, the function the launcher calls): no GPU needed, but the built extension is
+(CI builds it). Checked against a Python port of the estimate over a grid of shapes and masks, on the cases that the
+H200 measurements of session 5 decided (benchmarks/NOTES.md), and with FAH_FWD_BLOCK_M forcing each height. The GPU
+side (the forced height is the kernel that runs, and passes the forward tests) is tests/test_fwd_tiles_gpu.py."""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flash_attn_hopper import _ops
+
+pytestmark = pytest.mark.skipif(
+    not _ops.EXTENSION_LOADED, reason="the compiled extension is not built here (CI builds it; see README)"
+)
+
+H200_SMS = 132
+HEADROOM = 256  # kWindowHeadroom
+COST_FULL, COST_MASKED = 0.88, 0.95  # kFwd64WideCostFull / kFwd64WideCostMasked (csrc/flash/config.hpp)
+
+
+def block_m(head_dim, seqlen_q, seqlen_k, causal=False, window=(-1, -1), batch=8, nheads=16, sms=H200_SMS,
+            head_dim_v=None):
+    return torch.ops.flash_attn_hopper.fwd_block_m(head_dim, head_dim if head_dim_v is None else head_dim_v, batch,
+                                                   nheads, seqlen_q, seqlen_k, causal, window[0], window[1], sms)
+
+
+def _key_block_range(bm, bn, sq, sk, left, right, m):
+    offset = sk - sq
+    first_row = m * bm
+    last_row = min(first_row + bm, sq) - 1
+    lo = max(first_row + offset - left, 0)
+    hi = min(last_row + offset + right + 1, sk)
+    n_min = lo // bn
+    return n_min, (n_min if hi <= lo else -(-hi // bn))
+
+
+def _pairs(bm, bn, sq, sk, left, right):
+    blocks_m = -(-sq // bm)
+    step = max(1, blocks_m // 256)
+    blocks = sum(hi - lo for lo, hi in (_key_block_range(bm, bn, sq, sk, left, right, m) for m in range(0, blocks_m, step)))
+    return blocks * step * bm * bn
+
+
+def _port(seqlen_q, seqlen_k, causal, window, batch, nheads, sms):
+    """Python port of fwd_block_m_hdim64."""
+    wl, wr = window[0], (0 if causal else window[1])
+    left = seqlen_k + HEADROOM if wl < 0 or wl > seqlen_k else wl
+    right = seqlen_q + HEADROOM if wr < 0 or wr > seqlen_q else wr
+    cost = COST_MASKED if (left < seqlen_k or right < seqlen_q) else COST_FULL
+
+    def per_sm(bm):
+        tiles = -(-seqlen_q // bm) * batch * nheads
+        return _pairs(bm, 128, seqlen_q, seqlen_k, left, right) / min(tiles, sms)
+
+    return 192 if cost * per_sm(192) <= per_sm(128) else 128
+
+
+def test_matches_the_port_over_shapes_and_masks():
+    seqlens = [1, 77, 128, 192, 200, 513, 1024, 2048, 4096, 8192, 16384, 40000]
+    masks = [(False, (-1, -1)), (True, (-1, -1)), (False, (256, 256)), (True, (1024, 0)), (False, (-1, 5)),
+             (False, (20, 1000000))]
+    sizes = [(1, 1), (1, 4), (8, 16), (32, 32)]
+    checked = set()
+    for (sq, sk), (causal, window), (batch, nheads) in itertools.product(
+            [(s, s) for s in seqlens] + [(300, 1000), (1000, 300), (1, 4096)], masks, sizes):
+        got = block_m(64, sq, sk, causal, window, batch, nheads)
+        assert got == _port(sq, sk, causal, window, batch, nheads, H200_SMS), (sq, sk, causal, window, batch, nheads)
+        checked.add(got)
+    assert checked == {128, 192}  # the grid reaches both heights
+
+
+@pytest.mark.parametrize(
+    "seqlen,causal,expected",
+    [(512, True, 128), (1024, True, 128), (2048, True, 128), (4096, True, 128), (8192, True, 192),
+     (16384, True, 192), (512, False, 192), (2048, False, 192), (16384, False, 192)],
+)
+def test_h200_measured_cases(seqlen, causal, expected):
+    """The paper grid's shapes (batch x seqlen = 16384 tokens, 32 heads of 64): the faster height in session 5's
+    forced A/B (run 6), except non-causal 1024, a tie (386 vs 388 TFLOP/s), not asserted."""
+    assert block_m(64, seqlen, seqlen, causal, batch=16384 // seqlen, nheads=32) == expected
+
+
+def test_fewer_tiles_than_sms_take_the_narrow_tiles():
+    # batch 1, 4 heads, 2048: 44 tiles of 192 rows or 64 of 128 on 132 SMs, one partial wave either way.
+    assert block_m(64, 2048, 2048, batch=1, nheads=4) == 128
+    assert block_m(64, 2048, 2048, batch=8, nheads=16) == 192
+
+
+def test_a_last_block_mostly_past_seqlen_q_takes_the_narrow_tiles():
+    assert block_m(64, 200, 200) == 128  # 384 rows of 192 against 256 of 128
+    assert block_m(64, 1, 4096) == 128  # decoding: one row
+
+
+def test_head_dims_and_other_kernels():
+    for head_dim in (8, 40, 64):
+        assert block_m(head_dim, 16384, 16384) == 192
+    for head_dim, head_dim_v in ((128, 128), (72, 72), (64, 128), (256, 256), (192, 128)):
+        assert block_m(head_dim, 16384, 16384, head_dim_v=head_dim_v) == 128
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(RuntimeError, match="head_dim"):
+        block_m(60, 128, 128)
+    with pytest.raises(RuntimeError, match="num_sms"):
+        block_m(64, 128, 128, sms=0)
+    with pytest.raises(RuntimeError, match="window"):
+        block_m(64, 128, 128, causal=True, window=(-1, 5))
+
+
+@pytest.mark.parametrize("forced", ["128", "192", "100"])
+def test_fah_fwd_block_m_forces_the_height(forced):
+    code = ("import torch, flash_attn_hopper\n"
+            "f = torch.ops.flash_attn_hopper.fwd_block_m\n"
+            "print(f(64, 64, 8, 16, 512, 512, True, -1, -1, 132), f(64, 64, 8, 16, 8192, 8192, False, -1, -1, 132),"
+            " f(128, 128, 8, 16, 512, 512, True, -1, -1, 132))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FAH_FWD_BLOCK_M=forced,
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [int(x) for x in r.stdout.split()[-3:]]
+    # An unrecognized value leaves the choice to the launcher (causal 512: 128 rows, non-causal 8192: 192 rows);
+    # head_dim 128 has one height.
+    assert got == {"128": [128, 128, 128], "192": [192, 192, 128], "100": [128, 192, 128]}[forced]
