@@ -18,7 +18,7 @@ _MAX_GRID_YZ = 65535  # batch and nheads index grid dimensions y and z
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
-_MAX_SEQLEN = 2**30  # the kernels' index sums stay in int32 below this
+_MAX_SEQLEN = 2**30 - 256  # rows per tensor: the kernels' mask sums (seqlen_q + seqlen_k + 2 tiles) stay in int32
 
 
 def kernel_head_dim(head_dim):

@@ -3,9 +3,13 @@
 Mark a test (or a module, through ``pytestmark``) with ``@pytest.mark.requires_sm90`` and it is skipped, with the
 reason, unless an sm90 GPU (H100/H200) is visible and the compiled extension is loaded. The reason is worked out
 once per session; see ``sm90_skip_reason``.
+
+FAH_TEST_HEAD_DIM=N deselects the tests parametrized with another ``head_dim`` (tests without that parameter stay):
+tests/test_fwd_tiles_gpu.py runs the forward test files so under each forced head_dim 64 tile height.
 """
 
 import functools
+import os
 import zlib
 
 import pytest
@@ -41,6 +45,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    only = os.environ.get("FAH_TEST_HEAD_DIM")
+    if only:
+        def other_head_dim(item):
+            callspec = getattr(item, "callspec", None)
+            return callspec is not None and callspec.params.get("head_dim", int(only)) != int(only)
+
+        dropped = [item for item in items if other_head_dim(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if not other_head_dim(item)]
     marked = [item for item in items if item.get_closest_marker("requires_sm90") is not None]
     if not marked:
         return

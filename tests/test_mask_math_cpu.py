@@ -1,6 +1,6 @@
-"""The kernels' tile-index math for masks (csrc/flash/common/mask.hpp: kernel_window, Window::n_block_range,
-m_block_range, needs_mask, key_limits), ported line for line to Python and checked exhaustively on CPU against the
-element-wise rule of DESIGN.md §2 (``flash_attn_hopper.testing.local_mask``):
+"""The kernels' tile-index math for masks (csrc/flash/common/block_range.hpp: kernel_window; mask.hpp:
+Window::n_block_range, m_block_range, needs_mask, key_limits), ported line for line to Python and checked exhaustively
+on CPU against the element-wise rule of DESIGN.md §2 (``flash_attn_hopper.testing.local_mask``):
 
 - every visible (row, key) lies in a visited tile, from both sides (forward: key blocks of a query block; backward:
   query blocks of a key block), and every visited tile holds a visible element (cost follows the window);

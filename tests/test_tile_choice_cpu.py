@@ -42,12 +42,15 @@ def _key_block_range(bm, bn, sq, sk, left, right, m):
 def _pairs(bm, bn, sq, sk, left, right):
     blocks_m = -(-sq // bm)
     step = max(1, blocks_m // 256)
-    blocks = sum(hi - lo for lo, hi in (_key_block_range(bm, bn, sq, sk, left, right, m) for m in range(0, blocks_m, step)))
+    ranges = (_key_block_range(bm, bn, sq, sk, left, right, m) for m in range(0, blocks_m, step))
+    blocks = sum(hi - lo for lo, hi in ranges)
     return blocks * step * bm * bn
 
 
 def _port(seqlen_q, seqlen_k, causal, window, batch, nheads, sms):
     """Python port of fwd_block_m_hdim64."""
+    if seqlen_q <= 0 or seqlen_k <= 0:
+        return 128
     wl, wr = window[0], (0 if causal else window[1])
     left = seqlen_k + HEADROOM if wl < 0 or wl > seqlen_k else wl
     right = seqlen_q + HEADROOM if wr < 0 or wr > seqlen_q else wr
@@ -61,13 +64,14 @@ def _port(seqlen_q, seqlen_k, causal, window, batch, nheads, sms):
 
 
 def test_matches_the_port_over_shapes_and_masks():
-    seqlens = [1, 77, 128, 192, 200, 513, 1024, 2048, 4096, 8192, 16384, 40000]
+    seqlens = [0, 1, 77, 128, 192, 200, 513, 1024, 2048, 4096, 8192, 16384, 40000, 2**30 - 257]
     masks = [(False, (-1, -1)), (True, (-1, -1)), (False, (256, 256)), (True, (1024, 0)), (False, (-1, 5)),
              (False, (20, 1000000))]
     sizes = [(1, 1), (1, 4), (8, 16), (32, 32)]
     checked = set()
     for (sq, sk), (causal, window), (batch, nheads) in itertools.product(
-            [(s, s) for s in seqlens] + [(300, 1000), (1000, 300), (1, 4096)], masks, sizes):
+            [(s, s) for s in seqlens] + [(300, 1000), (1000, 300), (1, 4096), (0, 100), (2**30 - 257, 7)], masks,
+            sizes):
         got = block_m(64, sq, sk, causal, window, batch, nheads)
         assert got == _port(sq, sk, causal, window, batch, nheads, H200_SMS), (sq, sk, causal, window, batch, nheads)
         checked.add(got)
@@ -108,6 +112,10 @@ def test_bad_arguments_raise():
         block_m(60, 128, 128)
     with pytest.raises(RuntimeError, match="num_sms"):
         block_m(64, 128, 128, sms=0)
+    with pytest.raises(RuntimeError, match="batch and nheads"):
+        block_m(64, 128, 128, batch=2**62, nheads=4)
+    with pytest.raises(RuntimeError, match="seqlen_q and seqlen_k"):
+        block_m(64, 2**30 - 256, 128)
     with pytest.raises(RuntimeError, match="window"):
         block_m(64, 128, 128, causal=True, window=(-1, 5))
 

@@ -605,10 +605,14 @@ def test_varlen_cu_seqlens_values():
         summary("cu", cu)
 
 
-def test_seqlen_of_2_30_rejected():
-    t = torch.randn(1, 1, 1, D).half().expand(1, 2**30, 1, D)  # no memory for the long dim
-    with pytest.raises(ValueError, match=r"^q has 1073741824 rows \(seqlen or total tokens\); at most 1073741823"):
+def test_seqlen_of_2_30_minus_256_rejected():
+    # The kernels' mask sums reach seqlen_q + seqlen_k plus two tiles: at most 2^30 - 257 rows each keeps them in int32.
+    t = torch.randn(1, 1, 1, D).half().expand(1, 2**30 - 256, 1, D)  # no memory for the long dim
+    with pytest.raises(ValueError, match=r"^q has 1073741568 rows \(seqlen or total tokens\); at most 1073741567"):
         attention(t, t, t)
+    short = torch.randn(1, 1, 1, D).half()
+    with pytest.raises(ValueError, match=r"^k has 1073741568 rows"):
+        attention(short, t, t)
 
 
 def test_varlen_cu_seqlens_not_contiguous():

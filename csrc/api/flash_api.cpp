@@ -39,6 +39,10 @@ struct Kernels {
 
 // The compiled tile width that runs a head_dim: the smallest of 64, 128, 256 that holds it (head_dim a multiple of 8
 // in [8, 256]; the kernels zero-fill the columns past it on load and never store them). 0: no kernel can.
+// Rows per tensor (seqlen, or total tokens for varlen): the kernels' mask sums reach seqlen_q + seqlen_k plus two
+// tiles of headroom (flash/common/mask.hpp), within int32 below this.
+constexpr int64_t kMaxRows = (int64_t(1) << 30) - flash::kWindowHeadroom;
+
 int padded_head_dim(int64_t head_dim) {
   if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) { return 0; }
   return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
@@ -77,16 +81,20 @@ Kernels select_kernels(int head_dim, at::ScalarType dtype) {
   return Kernels{};
 }
 
-// The forward's tile height (query rows per CTA tile) for a problem, as the launcher picks it (flash/fwd/tile_choice.hpp;
-// FAH_FWD_BLOCK_M forces it), for tests and benchmarks. Arguments as attention's; num_sms: the GPU's SM count.
+// The forward's tile height (query rows per CTA tile) for a problem, as the launcher picks it
+// (flash/fwd/tile_choice.hpp; FAH_FWD_BLOCK_M forces it), for tests and benchmarks. Arguments as attention's;
+// num_sms: the GPU's SM count.
 int64_t fwd_block_m(int64_t head_dim, int64_t head_dim_v, int64_t batch, int64_t nheads, int64_t seqlen_q,
                     int64_t seqlen_k, bool causal, int64_t window_left, int64_t window_right, int64_t num_sms) {
   int const padded = padded_head_dim(std::max(head_dim, head_dim_v));
   TORCH_CHECK(padded != 0 && padded_head_dim(std::min(head_dim, head_dim_v)) != 0,
-              "head_dim and head_dim_v must be multiples of 8 in [8, 256], got ", head_dim, " and ", head_dim_v);
-  TORCH_CHECK(batch >= 1 && nheads >= 1 && num_sms >= 1 && seqlen_q >= 0 && seqlen_k >= 0 && seqlen_q < (1 << 30) &&
-                  seqlen_k < (1 << 30) && num_sms <= INT32_MAX,
-              "fwd_block_m: batch, nheads and num_sms must be >= 1 and the lengths in [0, 2^30)");
+              "fwd_block_m: head_dim and head_dim_v must be multiples of 8 in [8, 256], got ", head_dim, " and ",
+              head_dim_v);
+  TORCH_CHECK(batch >= 1 && batch <= 65535 && nheads >= 1 && nheads <= 65535,
+              "fwd_block_m: batch and nheads must be in [1, 65535], got ", batch, " and ", nheads);
+  TORCH_CHECK(num_sms >= 1 && num_sms <= 65535, "fwd_block_m: num_sms must be in [1, 65535], got ", num_sms);
+  TORCH_CHECK(seqlen_q >= 0 && seqlen_k >= 0 && seqlen_q < kMaxRows && seqlen_k < kMaxRows,
+              "fwd_block_m: seqlen_q and seqlen_k must be in [0, 2^30 - 256), got ", seqlen_q, " and ", seqlen_k);
   TORCH_CHECK(window_left >= -1 && window_right >= -1 && (!causal || window_right <= 0),
               "fwd_block_m: window sides must be >= -1 (right 0 or -1 when causal)");
   auto side = [](int64_t w) { return w < 0 || w > INT32_MAX ? -1 : int(w); };
@@ -142,7 +150,7 @@ void check_attention_inputs(at::Tensor const& q, at::Tensor const& k, at::Tensor
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   TORCH_CHECK(nheads <= 65535 && q.size(0) <= 65535, "nheads and batch must be at most 65535");
   // The kernels' mask and tile sums (flash/common/mask.hpp) stay in int for lengths below 2^30.
-  TORCH_CHECK(q.size(1) < (1 << 30) && k.size(1) < (1 << 30), "seqlen_q and seqlen_k must be below 2^30");
+  TORCH_CHECK(q.size(1) < kMaxRows && k.size(1) < kMaxRows, "seqlen_q and seqlen_k must be below 2^30 - 256");
 }
 
 // Causal, window and softcap as the params take them: causal is the window's right side 0 (a right side other

@@ -7,7 +7,7 @@ constexpr int kFwdPersistentMaxKeyBlocks = 32;
 // Shared memory per CTA = (kQBuffers * kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2 bytes (Q, K and V staged;
 // persistent CTAs double-buffer Q) plus barriers and 1 KiB alignment, within the 227 KiB a CTA may take of the H200's
 // 228 KiB per SM (static_assert in FwdKernelTraits):
-//   hdim  64: 192 x 128, 2 stages, 2 Q -> 112 KiB (or 128 x 128 -> 96 KiB, chosen per mask: see below)
+//   hdim  64: 192 x 128, 2 stages, 2 Q -> 112 KiB (or 128 x 128 -> 96 KiB, chosen per shape: see below)
 //   hdim 128: 128 x 128, 2 stages, 2 Q -> 192 KiB
 //   hdim 256: 128 x  80, 2 stages, 1 Q -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
 // Two consumer warpgroups of 64 query rows each (kBlockM = 128; head_dim 64 also three, below). First configuration
@@ -41,8 +41,8 @@ struct FwdTileConfig<64> {
 // more masked pairs on a causal diagonal and past seqlen_q, so the launcher estimates both: kFwd64WideCost* times the
 // query-key pairs a 192-row tile computes against those of a 128-row tile, per SM (flash/fwd/tile_choice.hpp, which
 // also counts waves of tiles over the SMs). The costs are the measured time per computed pair, 192 over 128 rows
-// (H200, 2026-11-30, session 5 run 6, double-buffered Q, bf16 TFLOP/s forced 128 / 192): no mask 512 331/345, 1024 388/386, 2048 422/446, 4096 437/464, 8192 446/482, 16384 449/487
-// (0.85-0.92 per pair); causal 512 209/182, 1024 285/236, 2048 353/333, 4096 401/380, 8192 417/428, 16384 438/455
+// (H200, 2026-11-30, session 5 run 6, double-buffered Q, bf16 TFLOP/s forced 128 / 192): no mask 512 331/345, 1024
+// 388/386, 2048 422/446, 4096 437/464, 8192 446/482, 16384 449/487 (0.85-0.92 per pair); causal 512 209/182, 1024 285/236, 2048 353/333, 4096 401/380, 8192 417/428, 16384 438/455
 // (0.85-0.97 per pair, 0.94-0.97 from 2048 up).
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;

@@ -2,7 +2,8 @@
 // sequence-length bounds (DESIGN.md §2): query row i sees key j iff 0 <= j < seqlen_k and
 //   i + offset - window_left <= j <= i + offset + window_right,   offset = seqlen_k - seqlen_q (bottom-right).
 // The host passes an unbounded side as a value no distance can exceed (kernel_window), so there is one code path;
-// causal is (unbounded, 0). All sums below stay within int for seqlen_q + seqlen_k < 2^30.
+// causal is (unbounded, 0). The sums below reach seqlen_q + seqlen_k + 2 * kWindowHeadroom: within int for the
+// API's limit of fewer than 2^30 - kWindowHeadroom rows per tensor.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -14,6 +14,7 @@ namespace flash {
 // Query-key pairs that forward tiles of block_m x block_n compute for one (sequence, head): the key-block ranges of
 // the query blocks times the tile area. Long sequences are sampled (every step-th query block, at most ~512 of them),
 // which keeps this a few hundred integer operations per call. window_left/right as kernel_window gives them.
+// Comparing heights by these counts also settles a window side equal to the sequence length as unmasked.
 inline double fwd_tile_pairs(int block_m, int block_n, int seqlen_q, int seqlen_k, int window_left, int window_right) {
   int const num_m_blocks = (seqlen_q + block_m - 1) / block_m;
   int const step = std::max(1, num_m_blocks / 256);
@@ -43,6 +44,7 @@ inline int fwd_block_m_hdim64(int seqlen_q, int seqlen_k, int window_left, int w
     return m == Wide::kBlockM || m == Narrow::kBlockM ? m : 0;
   }();
   if (forced != 0) { return forced; }
+  if (seqlen_q <= 0 || seqlen_k <= 0) { return Narrow::kBlockM; }  // nothing to compute: either runs it
   int left, right;
   kernel_window(window_left, window_right, seqlen_q, seqlen_k, left, right);
   // kernel_window turns a side that masks nothing into one past the sequence.
@@ -50,7 +52,8 @@ inline int fwd_block_m_hdim64(int seqlen_q, int seqlen_k, int window_left, int w
   double const cost = masked ? kFwd64WideCostMasked : kFwd64WideCostFull;
   auto per_sm = [&](int block_m, int block_n) {
     double const tiles = double((seqlen_q + block_m - 1) / block_m) * double(std::max<int64_t>(1, num_head_batches));
-    return fwd_tile_pairs(block_m, block_n, seqlen_q, seqlen_k, left, right) / std::min(tiles, double(std::max(1, num_sms)));
+    double const ctas = std::min(tiles, double(std::max(1, num_sms)));
+    return fwd_tile_pairs(block_m, block_n, seqlen_q, seqlen_k, left, right) / ctas;
   };
   bool const wide = cost * per_sm(Wide::kBlockM, Wide::kBlockN) <= per_sm(Narrow::kBlockM, Narrow::kBlockN);
   return wide ? Wide::kBlockM : Narrow::kBlockM;
