@@ -17,12 +17,16 @@ import sys
 
 import pytest
 
+import flash_attn_hopper
 from gpu_helpers import built_dtype as _built_dtype
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["tests/test_fwd_gpu.py", "tests/test_varlen_gpu.py", "tests/test_features_gpu.py"]
+# The children import the package this process tests (installed, or the built source tree) ahead of anything else.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
+PRELUDE = f"import sys; sys.path.insert(0, {PACKAGE_ROOT!r})\n"
 
 # Runs one head_dim 64 forward where the launcher would pick the other height (causal 512 -> 128 rows, non-causal
 # 4096 -> 192 rows) and prints the forward kernel's name.
@@ -43,15 +47,14 @@ print("KERNELS", sorted(names))
 
 
 def _env(block_m):
-    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, FAH_FWD_BLOCK_M=str(block_m), FAH_TEST_HEAD_DIM="64", PYTHONPATH=path)
+    return dict(os.environ, FAH_FWD_BLOCK_M=str(block_m), FAH_TEST_HEAD_DIM="64")
 
 
 @pytest.mark.parametrize("block_m,causal", [(192, "causal"), (128, "full")])
-def test_forced_block_m_is_the_kernel_that_runs(block_m, causal):
+def test_forced_block_m_is_the_kernel_that_runs(block_m, causal, tmp_path):
     dtype = _built_dtype(64)
-    r = subprocess.run([sys.executable, "-c", _KERNEL_NAME, str(dtype).split(".")[-1], causal], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env=_env(block_m))
+    r = subprocess.run([sys.executable, "-c", PRELUDE + _KERNEL_NAME, str(dtype).split(".")[-1], causal],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, env=_env(block_m))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     line = [l for l in r.stdout.splitlines() if l.startswith("KERNELS")][-1]
     assert f", 64, {block_m}, 128, " in line, line
@@ -61,10 +64,10 @@ def test_forced_block_m_is_the_kernel_that_runs(block_m, causal):
 @pytest.mark.parametrize("block_m", [128, 192])
 def test_forced_block_m_passes_the_forward_tests(block_m):
     _built_dtype(64)
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *FILES],
-        cwd=ROOT, capture_output=True, text=True, timeout=140, env=_env(block_m),
-    )
+    args = ["-q", "-x", "-p", "no:cacheprovider", *FILES]
+    code = PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=140,
+                       env=_env(block_m))
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
     summary = r.stdout.strip().splitlines()[-1]

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import flash_attn_hopper
 from flash_attn_hopper import _ops
 
 pytestmark = pytest.mark.skipif(
@@ -121,15 +122,17 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.parametrize("forced", ["128", "192", "100"])
-def test_fah_fwd_block_m_forces_the_height(forced):
-    code = ("import torch, flash_attn_hopper\n"
+def test_fah_fwd_block_m_forces_the_height(forced, tmp_path):
+    # The child imports the package this process tested (installed, or the built source tree), from a neutral cwd.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
+    code = (f"import sys; sys.path.insert(0, {package_root!r})\n"
+            "import torch, flash_attn_hopper\n"
             "f = torch.ops.flash_attn_hopper.fwd_block_m\n"
             "print(f(64, 64, 8, 16, 512, 512, True, -1, -1, 132), f(64, 64, 8, 16, 8192, 8192, False, -1, -1, 132),"
             " f(128, 128, 8, 16, 512, 512, True, -1, -1, 132))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, FAH_FWD_BLOCK_M=forced,
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    env = dict(os.environ, FAH_FWD_BLOCK_M=forced)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     got = [int(x) for x in r.stdout.split()[-3:]]
     # An unrecognized value leaves the choice to the launcher (causal 512: 128 rows, non-causal 8192: 192 rows);
