@@ -247,7 +247,7 @@ def attention(
             pair of ints.
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between
-            k and v; batch or nheads above 65535; head_dim or head_dim_v is not a multiple of 8 in [8, 256] (or the
+            k and v; batch or nheads above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is not a multiple of 8 in [8, 256] (or the
             kernel size of the larger, 64/128/256, is not in this build); the last dimension's stride is not 1;
             a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;
             softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right

@@ -113,6 +113,35 @@ def in_canary_buffer(t, before, after):
     return buf, view
 
 
+def memcheck_script(cases, lse_in_loss):
+    """Python source for run_memcheck: for each (head_dim, head_dim_v, nheads_k, dtype name) a causal forward and
+    backward of a (2, 131) x (2, 77) batch in both deterministic modes (the loss also uses lse when lse_in_loss), then
+    the same tensors' first rows as a two-sequence varlen batch."""
+    loss = ("out, lse = attention(q, k, v, causal=True, deterministic=deterministic, return_lse=True)\n"
+            "        ((out * torch.randn_like(out)).sum() + lse.sum()).backward()" if lse_in_loss else
+            "out = attention(q, k, v, causal=True, deterministic=deterministic)\n"
+            "        out.backward(torch.randn_like(out))")
+    return f"""
+import torch
+from flash_attn_hopper import attention, attention_varlen
+torch.manual_seed(0)
+for head_dim, head_dim_v, nheads_k, dtype in {tuple(cases)!r}:
+    dtype = getattr(torch, dtype)
+    q = torch.randn(2, 131, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 77, nheads_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 77, nheads_k, head_dim_v, device="cuda", dtype=dtype, requires_grad=True)
+    for deterministic in (False, True):
+        {loss}
+    cu = torch.tensor([0, 100, 131], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 50, 77], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (t.detach()[0].clone().requires_grad_(True) for t in (q, k, v))
+    out = attention_varlen(qv, kv, vv, cu, cu_k, 100, 50)
+    out.backward(torch.randn_like(out))
+torch.cuda.synchronize()
+print("done")
+"""
+
+
 def run_memcheck(script):
     """Runs `script` (Python source) under compute-sanitizer memcheck with the caching allocator off (every tensor its
     own allocation, so an access past one is reported); asserts it finished with 0 errors. Skips without the tool.

@@ -27,7 +27,7 @@ from gpu_helpers import poison_allocator as _poison_allocator
 from gpu_helpers import randn as _randn
 from gpu_helpers import require_built as _require_built
 from gpu_helpers import run_attention as _run
-from gpu_helpers import run_memcheck
+from gpu_helpers import memcheck_script, run_memcheck
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -231,27 +231,10 @@ def test_no_access_past_the_tensors(head_dim, head_dim_v, nheads_k):
     _check(out, lse, grads, *tensors, "canary", causal=True)
 
 
-_SANITIZER_SCRIPT = r"""
-import torch
-from flash_attn_hopper import attention, attention_varlen
-torch.manual_seed(0)
 # both backward variants (256: P/dS in shared memory; 128: kSwapSdP), both dtypes, v wider and narrower, GQA/MQA
-cases = ((192, 128, 2, torch.bfloat16), (64, 128, 4, torch.float16), (128, 64, 1, torch.bfloat16))
-for head_dim, head_dim_v, nheads_k, dtype in cases:
-    q = torch.randn(2, 131, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(2, 77, nheads_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(2, 77, nheads_k, head_dim_v, device="cuda", dtype=dtype, requires_grad=True)
-    for deterministic in (False, True):
-        out, lse = attention(q, k, v, causal=True, deterministic=deterministic, return_lse=True)
-        ((out * torch.randn_like(out)).sum() + lse.sum()).backward()
-    cu = torch.tensor([0, 100, 131], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, 50, 77], dtype=torch.int32, device="cuda")
-    qv, kv, vv = (t.detach()[0].clone().requires_grad_(True) for t in (q, k, v))
-    out = attention_varlen(qv, kv, vv, cu, cu_k, 100, 50)
-    out.backward(torch.randn_like(out))
-torch.cuda.synchronize()
-print("done")
-"""
+_SANITIZER_SCRIPT = memcheck_script(
+    [(192, 128, 2, "bfloat16"), (64, 128, 4, "float16"), (128, 64, 1, "bfloat16")], lse_in_loss=True
+)
 
 
 def test_compute_sanitizer_memcheck():

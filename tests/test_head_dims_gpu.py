@@ -28,7 +28,7 @@ from gpu_helpers import poison_allocator as _poison_allocator
 from gpu_helpers import randn as _randn
 from gpu_helpers import require_built as _require_built
 from gpu_helpers import run_attention as _run
-from gpu_helpers import run_memcheck
+from gpu_helpers import memcheck_script, run_memcheck
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -262,26 +262,11 @@ def test_no_access_past_the_tensors(head_dim, seqlen_q, seqlen_k, nheads_k):
             assert torch.isfinite(g).all()
 
 
-_SANITIZER_SCRIPT = r"""
-import torch
-from flash_attn_hopper import attention, attention_varlen
-torch.manual_seed(0)
-for head_dim, nheads_k in ((8, 1), (40, 2), (72, 4), (136, 2), (248, 1)):
-    for dtype in (torch.float16, torch.bfloat16):
-        q = torch.randn(2, 131, 4, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-        k = torch.randn(2, 77, nheads_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-        v = torch.randn(2, 77, nheads_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-        for deterministic in (False, True):
-            out = attention(q, k, v, causal=True, deterministic=deterministic)
-            out.backward(torch.randn_like(out))
-        cu = torch.tensor([0, 100, 131], dtype=torch.int32, device="cuda")
-        cu_k = torch.tensor([0, 50, 77], dtype=torch.int32, device="cuda")
-        qv, kv, vv = (t.detach()[0].clone().requires_grad_(True) for t in (q, k, v))
-        out = attention_varlen(qv, kv, vv, cu, cu_k, 100, 50)
-        out.backward(torch.randn_like(out))
-torch.cuda.synchronize()
-print("done")
-"""
+_SANITIZER_SCRIPT = memcheck_script(
+    [(d, d, nheads_k, dtype) for d, nheads_k in ((8, 1), (40, 2), (72, 4), (136, 2), (248, 1))
+     for dtype in ("float16", "bfloat16")],
+    lse_in_loss=False,
+)
 
 
 def test_compute_sanitizer_memcheck():
