@@ -95,6 +95,50 @@ def check_attention(out, lse, grads, q, k, v, dout, name, dlse=None, **opts):
         assert_close_by_rule(g, r, n, f"{name} {gname}")
 
 
+def check_deterministic(q, k, v, dout, name):
+    """Causal attention with deterministic=True: three backward passes give bitwise-equal dQ, dK, dV, and the right
+    answer by the rule."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out, lse = flash_attn_hopper.attention(*leaves, causal=True, deterministic=True, return_lse=True)
+    runs = [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(3)]
+    for r in runs[1:]:
+        for gname, a, b in zip(GRAD_NAMES, runs[0], r):
+            assert torch.equal(a, b), f"{name}: {gname} differs between deterministic runs"
+    check_attention(out.detach(), lse, runs[0], q, k, v, dout, name, causal=True)
+
+
+def check_varlen(head_dim, head_dim_v, nheads_k, dtype, name, **opts):
+    """attention_varlen forward and backward over five sequences of awkward lengths (empty ones on either side), 4
+    query heads, memory poisoned before each pass; out, LSE, dQ, dK, dV and their shapes by the rule against the
+    float32 reference."""
+    from flash_attn_hopper.testing import assert_close_by_rule, attention_varlen_ref, attention_varlen_ref_grads
+
+    lq, lk = [1, 300, 129, 0, 64], [5, 257, 129, 33, 0]
+    total_q, total_k, nheads = sum(lq), sum(lk), 4
+    q = randn(total_q, nheads, head_dim, dtype=dtype)
+    k = randn(total_k, nheads_k, head_dim, dtype=dtype)
+    v = randn(total_k, nheads_k, head_dim_v, dtype=dtype)
+    dout = randn(total_q, nheads, head_dim_v, dtype=dtype)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    e = q.element_size()
+    sizes = (q.numel() * e, k.numel() * e, v.numel() * e, dout.numel() * e)
+    poison_allocator(*sizes, total_q * nheads * 4)
+    out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max(lq), max(lk), return_lse=True, **opts)
+    assert out.shape == (total_q, nheads, head_dim_v), name
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
+    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
+    assert_close_by_rule(out.detach(), ref, naive, f"{name} varlen out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} varlen lse")
+    poison_allocator(*sizes)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, **opts)
+    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, **opts)
+    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
+        assert g.shape == t.shape, f"{name} {gname}"
+        assert_close_by_rule(g, r, n, f"{name} varlen {gname}")
+
+
 def bits(t):
     """A bitwise copy (NaN == NaN) of t's memory, to compare with torch.equal."""
     return t.detach().contiguous().view(torch.int16).clone()
@@ -140,6 +184,25 @@ for head_dim, head_dim_v, nheads_k, dtype in {tuple(cases)!r}:
 torch.cuda.synchronize()
 print("done")
 """
+
+
+def in_canary_buffers(q, k, v, dout):
+    """q, k, v, dout copied into NaN-filled buffers (0, 8, 64 and 256 elements ahead, 4096 behind): (views, check),
+    where check(out, lse, grads) asserts that no buffer element changed and that no NaN (a read past a tensor)
+    reached the results."""
+    placed = [in_canary_buffer(t, before, after=4096) for t, before in zip((q, k, v, dout), (0, 8, 64, 256))]
+    buffers = [b for b, _ in placed]
+    saved = [bits(b) for b in buffers]
+
+    def check(out, lse, grads):
+        torch.cuda.synchronize()
+        for b, s in zip(buffers, saved):
+            assert torch.equal(bits(b), s), "a canary buffer changed"
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "NaN: something past a tensor was read"
+        for g in grads:
+            assert torch.isfinite(g).all(), "NaN: something past a tensor was read"
+
+    return [view for _, view in placed], check
 
 
 def run_memcheck(script):

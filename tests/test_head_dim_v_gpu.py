@@ -10,21 +10,15 @@ import math
 import pytest
 import torch
 
-from flash_attn_hopper import attention, attention_varlen
-from flash_attn_hopper.testing import (
-    assert_close_by_rule,
-    attention_varlen_ref,
-    attention_varlen_ref_grads,
-)
+from flash_attn_hopper import attention
 from gpu_helpers import GRAD_NAMES
 from gpu_helpers import attention_inputs
 from gpu_helpers import bits as _bits
 from gpu_helpers import built_dtype as _built_dtype
 from gpu_helpers import check_attention as _check
-from gpu_helpers import cu_seqlens as _cu
-from gpu_helpers import in_canary_buffer as _in_canary_buffer
-from gpu_helpers import poison_allocator as _poison_allocator
-from gpu_helpers import randn as _randn
+from gpu_helpers import check_deterministic as _check_deterministic
+from gpu_helpers import check_varlen as _check_varlen
+from gpu_helpers import in_canary_buffers as _in_canary_buffers
 from gpu_helpers import require_built as _require_built
 from gpu_helpers import run_attention as _run
 from gpu_helpers import memcheck_script, run_memcheck
@@ -111,13 +105,7 @@ def test_head_dim_v_deterministic(head_dim, head_dim_v, nheads_k):
     """Deterministic mode: bitwise-equal repeats and the right answer (GQA: the dV sums in head_dim_v rows)."""
     dtype = _dtype(head_dim, head_dim_v)
     q, k, v, dout = _inputs(2, 600, 700, 6, nheads_k, head_dim, head_dim_v, dtype)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out, lse = attention(*leaves, causal=True, deterministic=True, return_lse=True)
-    runs = [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(3)]
-    for r in runs[1:]:
-        for gname, a, b in zip(GRAD_NAMES, runs[0], r):
-            assert torch.equal(a, b), f"{gname} differs between deterministic runs"
-    _check(out.detach(), lse, runs[0], q, k, v, dout, f"deterministic ({head_dim}, {head_dim_v})", causal=True)
+    _check_deterministic(q, k, v, dout, f"deterministic ({head_dim}, {head_dim_v})")
 
 
 # ------------------------------------------------------------------------------------------------ exactness
@@ -181,30 +169,7 @@ def test_opcheck_fake_kernels(head_dim, head_dim_v):
     ids=["192-128-gqa-causal", "64-128-window", "128-64-mqa"],
 )
 def test_head_dim_v_varlen(head_dim, head_dim_v, nheads_k, opts):
-    dtype = _dtype(head_dim, head_dim_v)
-    lq, lk = [1, 300, 129, 0, 64], [5, 257, 129, 33, 0]
-    total_q, total_k, nheads = sum(lq), sum(lk), 4
-    q = _randn(total_q, nheads, head_dim, dtype=dtype)
-    k = _randn(total_k, nheads_k, head_dim, dtype=dtype)
-    v = _randn(total_k, nheads_k, head_dim_v, dtype=dtype)
-    dout = _randn(total_q, nheads, head_dim_v, dtype=dtype)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    e = q.element_size()
-    _poison_allocator(q.numel() * e, dout.numel() * e, v.numel() * e, total_q * nheads * 4)
-    out, lse = attention_varlen(*leaves, cu_q, cu_k, max(lq), max(lk), return_lse=True, **opts)
-    assert out.shape == (total_q, nheads, head_dim_v)
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
-    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
-    assert_close_by_rule(out.detach(), ref, naive, "varlen out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, "varlen lse")
-    _poison_allocator(q.numel() * e, dout.numel() * e, v.numel() * e)
-    grads = torch.autograd.grad(out, leaves, dout)
-    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, **opts)
-    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, **opts)
-    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
-        assert g.shape == t.shape, gname
-        assert_close_by_rule(g, r, n, f"varlen {gname}")
+    _check_varlen(head_dim, head_dim_v, nheads_k, _dtype(head_dim, head_dim_v), f"{head_dim}/{head_dim_v}", **opts)
 
 
 # ------------------------------------------------------------------------------- canaries and memcheck
@@ -216,18 +181,10 @@ def test_no_access_past_the_tensors(head_dim, head_dim_v, nheads_k):
     take NaN from past their ends or from the next row; no element of the buffers changes."""
     dtype = _dtype(head_dim, head_dim_v)
     tensors = _inputs(2, 257, 113, 4, nheads_k, head_dim, head_dim_v, dtype)
-    placed = [_in_canary_buffer(t, before, after=4096) for t, before in zip(tensors, (0, 8, 64, 256))]
-    buffers = [b for b, _ in placed]
-    saved = [_bits(b) for b in buffers]
-    q, k, v, dout = (view for _, view in placed)
+    (q, k, v, dout), check_canaries = _in_canary_buffers(*tensors)
     for deterministic in (False, True):
         out, lse, grads = _run(q, k, v, dout, causal=True, deterministic=deterministic)
-        torch.cuda.synchronize()
-        for b, s in zip(buffers, saved):
-            assert torch.equal(_bits(b), s), "a canary buffer changed"
-        assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "NaN: something past a tensor was read"
-        for g in grads:
-            assert torch.isfinite(g).all(), "NaN: something past a tensor was read"
+        check_canaries(out, lse, grads)
     _check(out, lse, grads, *tensors, "canary", causal=True)
 
 

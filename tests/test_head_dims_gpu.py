@@ -10,21 +10,16 @@ import math
 import pytest
 import torch
 
-from flash_attn_hopper import attention, attention_varlen
+from flash_attn_hopper import attention
 from flash_attn_hopper.interface import kernel_head_dim
-from flash_attn_hopper.testing import (
-    assert_close_by_rule,
-    attention_varlen_ref,
-    attention_varlen_ref_grads,
-)
 from gpu_helpers import GRAD_NAMES
 from gpu_helpers import attention_inputs as _inputs
 from gpu_helpers import bits as _bits
 from gpu_helpers import built_dtype as _built_dtype
 from gpu_helpers import check_attention as _check
-from gpu_helpers import cu_seqlens as _cu
-from gpu_helpers import in_canary_buffer as _in_canary_buffer
-from gpu_helpers import poison_allocator as _poison_allocator
+from gpu_helpers import check_deterministic as _check_deterministic
+from gpu_helpers import check_varlen as _check_varlen
+from gpu_helpers import in_canary_buffers as _in_canary_buffers
 from gpu_helpers import randn as _randn
 from gpu_helpers import require_built as _require_built
 from gpu_helpers import run_attention as _run
@@ -96,13 +91,7 @@ def test_head_dim_deterministic(head_dim, nheads_k):
     """Deterministic mode (dQ, and with GQA dK/dV, summed in a fixed order): bitwise-equal repeats, right answer."""
     dtype = _built_dtype(head_dim)
     q, k, v, dout = _inputs(2, 600, 700, 4, nheads_k, head_dim, dtype)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out, lse = attention(*leaves, causal=True, deterministic=True, return_lse=True)
-    runs = [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(3)]
-    for r in runs[1:]:
-        for gname, a, b in zip(GRAD_NAMES, runs[0], r):
-            assert torch.equal(a, b), f"{gname} differs between deterministic runs"
-    _check(out.detach(), lse, runs[0], q, k, v, dout, f"deterministic {head_dim}", causal=True)
+    _check_deterministic(q, k, v, dout, f"deterministic {head_dim}")
 
 
 # ------------------------------------------------------------------------------------------------ exactness
@@ -149,28 +138,7 @@ def test_default_scale_is_of_the_true_head_dim():
     ids=["8-causal", "104-gqa", "192-mqa-window", "248-gqa-causal"],
 )
 def test_head_dim_varlen(head_dim, nheads_k, opts):
-    dtype = _built_dtype(head_dim)
-    lq, lk = [1, 300, 129, 0, 64], [5, 257, 129, 33, 0]
-    total_q, total_k, nheads = sum(lq), sum(lk), 4
-    q = _randn(total_q, nheads, head_dim, dtype=dtype)
-    k = _randn(total_k, nheads_k, head_dim, dtype=dtype)
-    v = _randn(total_k, nheads_k, head_dim, dtype=dtype)
-    dout = _randn(total_q, nheads, head_dim, dtype=dtype)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    e = q.element_size()
-    _poison_allocator(q.numel() * e, k.numel() * e, total_q * nheads * 4)
-    out, lse = attention_varlen(*leaves, cu_q, cu_k, max(lq), max(lk), return_lse=True, **opts)
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
-    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
-    assert_close_by_rule(out.detach(), ref, naive, "varlen out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, "varlen lse")
-    _poison_allocator(q.numel() * e, k.numel() * e)
-    grads = torch.autograd.grad(out, leaves, dout)
-    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, **opts)
-    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, **opts)
-    for gname, g, r, n in zip(GRAD_NAMES, grads, ref_g, naive_g):
-        assert_close_by_rule(g, r, n, f"varlen {gname}")
+    _check_varlen(head_dim, head_dim, nheads_k, _built_dtype(head_dim), f"head_dim {head_dim}", **opts)
 
 
 # ------------------------------------------------------------------------------- slices and canaries (memory safety)
@@ -241,18 +209,10 @@ def test_no_access_past_the_tensors(head_dim, seqlen_q, seqlen_k, nheads_k):
     dtype = _built_dtype(head_dim)
     batch, nheads = 2, 4
     tensors = _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
-    placed = [_in_canary_buffer(t, before, after=4096) for t, before in zip(tensors, (0, 8, 64, 256))]
-    buffers = [b for b, _ in placed]
-    saved = [_bits(b) for b in buffers]
-    q, k, v, dout = (view for _, view in placed)
+    (q, k, v, dout), check_canaries = _in_canary_buffers(*tensors)
     for causal in (False, True):
         out, lse, grads = _run(q, k, v, dout, causal=causal)
-        torch.cuda.synchronize()
-        for b, s in zip(buffers, saved):
-            assert torch.equal(_bits(b), s), "a canary buffer changed"
-        assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "NaN: something past a tensor was read"
-        for g in grads:
-            assert torch.isfinite(g).all(), "NaN: something past a tensor was read"
+        check_canaries(out, lse, grads)
         _check(out, lse, grads, *tensors, f"canary causal={causal}", causal=causal)
         # the GQA/MQA dK/dV buffers and the workspaces hold the caller's / padded widths: also run deterministic
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
