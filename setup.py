@@ -106,6 +106,11 @@ def _extension():
         sources=sources,
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        # The shared libstdc++ that torch uses, by file name: a toolchain whose library path holds only the static
+        # archive (the H200 image's g++ wrapper puts its own lib/gcc first with -B) links a private copy into the .so
+        # for a plain -lstdc++, whose iostreams crashed (SIGSEGV) formatting the first TORCH_CHECK message with a number
+        # in it. Named here, before the driver's own -lstdc++, it takes the symbols (tests/test_linkage_cpu.py).
+        extra_link_args=["-l:libstdc++.so.6"],
         # No -lcuda: CUTLASS reaches cuTensorMapEncodeTiled through cudaGetDriverEntryPoint, so the build needs no
         # driver library (CI machines have none) and the .so loads wherever torch's CUDA runtime does.
         py_limited_api=True,

@@ -12,10 +12,11 @@ import torch
 
 _LIB_DIR = os.path.dirname(os.path.abspath(__file__))
 _load_error = None
+LIBRARY_PATH = None  # the loaded extension's file
 
 
 def _load():
-    global _load_error
+    global _load_error, LIBRARY_PATH
     candidates = sorted(glob.glob(os.path.join(_LIB_DIR, "_C*.so")))
     if not candidates:
         _load_error = (
@@ -31,6 +32,7 @@ def _load():
             f"(built against another torch? rebuild it): {e}"
         )
         return False
+    LIBRARY_PATH = candidates[0]
     return True
 
 

@@ -145,17 +145,29 @@ def test_softcap(dtype, head_dim, causal):
     _run_and_check(q, k, v, dout, f"softcap causal={causal}", causal=causal, softcap=15.0)
 
 
-def test_softcap_with_window_and_gqa():
-    dtype = _built_dtype(128)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_softcap_with_window_and_gqa(dtype):
+    """Each dtype: the bf16 kernels compute tanh with tanh.approx.f32, fp16 with the exact formula."""
+    _require_built(128, dtype)
     q, k, v, dout = _inputs(2, 513, 700, 4, 2, 128, dtype, scale=2.0)
     _run_and_check(q, k, v, dout, "softcap+window+gqa", window_size=(64, 16), softcap=30.0, softmax_scale=0.2)
 
 
-def test_softcap_small_cap_saturates():
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_softcap_small_cap_saturates(dtype):
     """softcap 1 with large logits: tanh saturates at ±1 for most scores; results stay finite and by the rule."""
-    dtype = _built_dtype(64)
+    _require_built(64, dtype)
     q, k, v, dout = _inputs(1, 200, 300, 2, 2, 64, dtype, scale=4.0)
     _run_and_check(q, k, v, dout, "softcap 1", softcap=1.0)
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_softcap_large_cap(dtype):
+    """softcap 50 (Gemma 2's attention cap) on inputs scaled by 4, so scores spread over the cap's range: the
+    approximation error of tanh grows with the cap."""
+    _require_built(128, dtype)
+    q, k, v, dout = _inputs(2, 301, 257, 4, 4, 128, dtype, scale=4.0)
+    _run_and_check(q, k, v, dout, "softcap 50", causal=True, softcap=50.0)
+
 
 
 # ----------------------------------------------------------------------------------------------- differentiable LSE

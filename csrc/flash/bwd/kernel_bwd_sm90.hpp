@@ -566,7 +566,7 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
         // registers of its own.
         warpgroup_wait<0>();
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh(tSrS(i) * params.softcap_pre); }
+        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
         if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < size<1>(s); ++j) {
@@ -722,7 +722,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
       } else {  // as in bwd_consumer_swapped
         warpgroup_wait<0>();
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh(tSrS(i) * params.softcap_pre); }
+        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
         if (m_block < interior_lo || m_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {

@@ -90,14 +90,22 @@ CUTLASS_DEVICE float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// tanh for the softcap, as 1 - 2 / (exp(2x) + 1): absolute error ~1e-7. tanh.approx.f32 (one MUFU operation instead
-// of two) has a 2^-11 relative error, which the cap's factor c turns into score errors larger than the fp16
-// reference's. The softcap forward is bound by the MUFU and FMA pipes together (H200, 2026-11-30, head_dim 128:
-// ~0.64x the dense forward with this version and about the same with the reciprocal as three Newton steps on the
-// FMA pipe instead of MUFU.RCP), so the simpler form stays. Saturates to +-1 for large |x|; NaN stays NaN. Forward
-// and backward call this same function, so P recomputed in the backward matches the forward's LSE.
+// tanh for the softcap; Element is the input dtype. Forward and backward call the same instance, so P recomputed in
+// the backward matches the forward's LSE. NaN stays NaN; +-inf and large |x| give +-1.
+// - fp16: 1 - 2 / (exp(2x) + 1), absolute error ~1e-7 (two MUFU operations). tanh.approx.f32 (relative error 2^-11)
+//   times the cap c gave score errors larger than the fp16 reference's (session 3).
+// - bf16: tanh.approx.f32, one MUFU operation. The softcap forward is bound by the MUFU pipe (3 operations per score
+//   against the dense kernel's 1: 0.66x the dense forward at head_dim 128, H200, 2026-11-30); bf16's unit roundoff
+//   (2^-8), which the bf16 reference applies to S, tanh and P, is 8x the approximation's error.
+template <class Element>
 CUTLASS_DEVICE float softcap_tanh(float x) {
-  return 1.f - __fdividef(2.f, exp2f(x * float(2.0 * M_LOG2E)) + 1.f);
+  if constexpr (cute::is_same_v<Element, cutlass::bfloat16_t>) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x));
+    return t;
+  } else {
+    return 1.f - __fdividef(2.f, exp2f(x * float(2.0 * M_LOG2E)) + 1.f);
+  }
 }
 
 }  // namespace flash

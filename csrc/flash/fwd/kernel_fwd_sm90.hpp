@@ -241,7 +241,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   auto prepare_scores = [&](auto& tSrS, int n_block) {
     if constexpr (kSoftcap) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh(tSrS(i) * params.softcap_pre); }
+      for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
     }
     if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
   };
