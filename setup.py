@@ -106,11 +106,13 @@ def _extension():
         sources=sources,
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-        # The shared libstdc++ that torch uses, by file name: a toolchain whose library path holds only the static
-        # archive (the H200 image's g++ wrapper puts its own lib/gcc first with -B) links a private copy into the .so
-        # for a plain -lstdc++, whose iostreams crashed (SIGSEGV) formatting the first TORCH_CHECK message with a number
-        # in it. Named here, before the driver's own -lstdc++, it takes the symbols (tests/test_linkage_cpu.py).
-        extra_link_args=["-l:libstdc++.so.6"],
+        # libstdc++ as a shared library, named by file: a toolchain whose first library directory holds only the
+        # static archive (the H200 image's g++ wrapper puts its own lib/gcc first with -B) links a private copy into
+        # the .so for the driver's plain -lstdc++, and that copy's iostreams crashed (SIGSEGV) formatting the first
+        # TORCH_CHECK message with a number in it. Named here, after the objects and before the driver's own
+        # -lstdc++, it takes the symbols (tests/test_linkage_cpu.py). The linker takes the first libstdc++.so.6 on its
+        # search path; an older copy in a -L directory ahead of the compiler's can leave newer symbols unresolved.
+        extra_link_args=["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else [],
         # No -lcuda: CUTLASS reaches cuTensorMapEncodeTiled through cudaGetDriverEntryPoint, so the build needs no
         # driver library (CI machines have none) and the .so loads wherever torch's CUDA runtime does.
         py_limited_api=True,

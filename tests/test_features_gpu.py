@@ -160,6 +160,7 @@ def test_softcap_small_cap_saturates(dtype):
     q, k, v, dout = _inputs(1, 200, 300, 2, 2, 64, dtype, scale=4.0)
     _run_and_check(q, k, v, dout, "softcap 1", softcap=1.0)
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_softcap_large_cap(dtype):
     """softcap 50 (Gemma 2's attention cap) on inputs scaled by 4, so scores spread over the cap's range: the
@@ -167,7 +168,6 @@ def test_softcap_large_cap(dtype):
     _require_built(128, dtype)
     q, k, v, dout = _inputs(2, 301, 257, 4, 4, 128, dtype, scale=4.0)
     _run_and_check(q, k, v, dout, "softcap 50", causal=True, softcap=50.0)
-
 
 
 # ----------------------------------------------------------------------------------------------- differentiable LSE

@@ -92,13 +92,15 @@ CUTLASS_DEVICE float quad_sum(float x) {
 
 // tanh for the softcap; Element is the input dtype. Forward and backward call the same instance, so P recomputed in
 // the backward matches the forward's LSE. NaN stays NaN; +-inf and large |x| give +-1.
-// - fp16: 1 - 2 / (exp(2x) + 1), absolute error ~1e-7 (two MUFU operations). tanh.approx.f32 (relative error 2^-11)
-//   times the cap c gave score errors larger than the fp16 reference's (session 3).
 // - bf16: tanh.approx.f32, one MUFU operation. The softcap forward is bound by the MUFU pipe (3 operations per score
-//   against the dense kernel's 1: 0.66x the dense forward at head_dim 128, H200, 2026-11-30); bf16's unit roundoff
-//   (2^-8), which the bf16 reference applies to S, tanh and P, is 8x the approximation's error.
+//   against the dense kernel's 1: 0.66x the dense forward at head_dim 128, H200, 2026-11-30; 0.84x with this);
+//   bf16's unit roundoff (2^-8), which the bf16 reference applies to S, tanh and P, is 8x the approximation's error.
+// - fp16: 1 - 2 / (exp(2x) + 1), absolute error ~1e-7 (two MUFU operations). Whether the fp16 reference rule accepts
+//   the approximation (error about one fp16 rounding, times the cap) has not been measured yet.
 template <class Element>
 CUTLASS_DEVICE float softcap_tanh(float x) {
+  static_assert(cute::is_same_v<Element, cutlass::bfloat16_t> || cute::is_same_v<Element, cutlass::half_t>,
+                "softcap_tanh: a new input dtype needs its own accuracy decision");
   if constexpr (cute::is_same_v<Element, cutlass::bfloat16_t>) {
     float t;
     asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x));
