@@ -11,7 +11,7 @@ FlashAttention-2 backends, forward and backward.
 (``python benchmarks/bench_attention.py`` is the same command; it loads this file without importing torch, so its
 ``--help`` works anywhere.)
 
-Grid of ../shared/baselines.md (the FlashAttention-3 paper's): batch * seqlen = 16384 tokens, hidden 2048 so
+Grid of the FlashAttention-3 paper's benchmark: batch * seqlen = 16384 tokens, hidden 2048 so
 nheads = 2048 / head_dim, seqlen_q = seqlen_k, MHA ("dense" points). Forward FLOPs = 4 * batch * nheads * seqlen^2 *
 head_dim, halved when causal (for seqlen_q == seqlen_k the bottom-right causal mask of flash_attn_hopper equals
 SDPA's top-left ``is_causal``); backward FLOPs = 2.5 x forward. Feature points (``--features``): GQA (nheads_kv =
@@ -109,7 +109,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m flash_attn_hopper.benchmark",
         description="Attention TFLOP/s, forward and backward: flash_attn_hopper vs torch SDPA cuDNN and FA2 backends "
-        "(grid of shared/baselines.md plus feature points), with a regression gate against a baseline record, "
+        "(the FlashAttention-3 paper's grid plus feature points), with a regression gate against a baseline record, "
         "plots and a markdown summary.",
     )
     g = p.add_argument_group("grid")

@@ -139,8 +139,8 @@ def flash_attn_hopper_attention_forward(
     if dropout:
         raise ValueError(
             f"{_where(module)}: dropout={dropout}; flash_attn_hopper has no attention dropout, so training needs "
-            "a model built with attention_dropout=0.0 (pass it to from_pretrained/from_config: the attention modules "
-            "copy it when built)"
+            "a model built with attention_dropout=0.0 (pass it to from_pretrained, or set it on the config given to "
+            "from_config: the attention modules copy it when built)"
         )
     if attention_mask is not None and not _is_padding_mask(attention_mask, query, key):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
