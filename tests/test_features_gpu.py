@@ -201,9 +201,10 @@ def test_lse_gradient_sum_form():
         assert_close_by_rule(leaf.grad, r, n, f"sum form {name}")
 
 
-def test_lse_only_loss():
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_lse_only_loss(dtype):
     """A loss of the LSE alone: out gets no gradient (None), the op treats it as zero; dV is then exactly 0."""
-    dtype = _built_dtype(64)
+    _require_built(64, dtype)
     q, k, v, dout = _inputs(1, 100, 180, 2, 2, 64, dtype)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     _, lse = attention(*leaves, return_lse=True, softcap=20.0)

@@ -100,6 +100,15 @@ def test_varlen_options(opts, nheads_k):
     _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq) + 100, max(lk) + 7, f"options {opts}", **opts)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_varlen_softcap_each_dtype(dtype):
+    """Softcap through the varlen kernels in both dtypes (bf16 computes tanh with tanh.approx.f32, fp16 exactly)."""
+    _require_built(128, dtype)
+    lq, lk = [1, 300, 129, 0, 64], [5, 257, 129, 33, 0]
+    q, k, v, dout = _inputs(lq, lk, 4, 2, 128, dtype, scale=2.0)
+    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), f"softcap {dtype}", causal=True, softcap=15.0)
+
+
 def test_varlen_lse_gradient():
     dtype = _built_dtype(64)
     lq, lk = [50, 0, 200], [70, 10, 150]
