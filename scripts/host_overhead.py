@@ -2,7 +2,11 @@
 loop is CPU-bound, so wall time per iteration is what each path costs the Python/C++ side (issue 4: eager training
 loops of small models are CPU-bound, and any per-call overhead shows up in tokens/s).
 
-    python scripts/host_overhead.py [--iters 300]
+    python scripts/host_overhead.py [--iters 300] [--profile]
+
+--profile adds, for SDPA and the registered op (fwd+bwd), the host time per call of each runtime call and operator
+under torch.profiler (self CPU time, top 15): where the C++ side spends it (allocations, memsets, launches, the
+autograd node, TMA descriptor encoding inside the launch).
 
 Paths: SDPA (transformers' layout, cuDNN/flash backends as torch picks), flash_attn_hopper.attention (argument checks,
 then the registered op, whose autograd formula is in C++), and the registered op called directly (no Python checks)."""
@@ -30,6 +34,7 @@ def bench(fn, iters):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--profile", action="store_true", help="per-call host time by runtime call / operator")
     args = p.parse_args()
     dtype = torch.bfloat16
     q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
@@ -66,6 +71,22 @@ def main():
                      ("sdpa fwd, no grad", sdpa_fwd_only), ("flash_attn_hopper.attention fwd, no grad", ours_fwd_only),
                      ("registered op fwd, no grad", registered_op_fwd_only)):
         print(f"  {name:55s} {bench(fn, args.iters):8.1f}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in (("sdpa fwd+bwd", sdpa), ("registered op fwd+bwd", registered_op)):
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            calls = 50
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+            rows = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+            print(f"\n{name}: self CPU time per call, microseconds (count per call)")
+            for e in sorted(rows, key=lambda e: -e.self_cpu_time_total)[:15]:
+                print(f"  {e.self_cpu_time_total / calls:8.1f}  x{e.count / calls:<5.1f} {e.key[:90]}")
 
 
 if __name__ == "__main__":
