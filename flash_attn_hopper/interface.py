@@ -18,7 +18,7 @@ _MAX_GRID_YZ = 65535  # batch and nheads index grid dimensions y and z
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
-_MAX_SEQLEN = 2**30 - 256  # rows per tensor: the kernels' mask sums (seqlen_q + seqlen_k + 2 tiles) stay in int32
+_MAX_SEQLEN = 2**30 - 256  # rows per tensor: the kernels' mask sums (seqlen_q + seqlen_k + 2 tiles) fit int32
 
 
 def kernel_head_dim(head_dim):
@@ -247,10 +247,11 @@ def attention(
             softmax_scale or softcap is not a real number; causal or deterministic is not a bool; window_size is not a
             pair of ints.
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
-            nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between
-            k and v; batch or nheads above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is not a multiple of 8 in [8, 256] (or the
-            kernel size of the larger, 64/128/256, is not in this build); the last dimension's stride is not 1;
-            a tensor is not on a CUDA device, the tensors are on different devices, or the GPU is not sm90;
+            nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
+            above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is
+            not a multiple of 8 in [8, 256] (or the kernel size of the larger, 64/128/256, is not in this build);
+            the last dimension's stride is not 1; a tensor is not on a CUDA device, the tensors are on different
+            devices, or the GPU is not sm90;
             softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right
             side > 0; softcap is negative or not finite, or softmax_scale / softcap is not a normal float32.
         RuntimeError: the compiled extension is not available; (in the backward) differentiating dq, dk, dv again

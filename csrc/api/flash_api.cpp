@@ -37,12 +37,12 @@ struct Kernels {
   BwdFn bwd = nullptr;
 };
 
-// The compiled tile width that runs a head_dim: the smallest of 64, 128, 256 that holds it (head_dim a multiple of 8
-// in [8, 256]; the kernels zero-fill the columns past it on load and never store them). 0: no kernel can.
 // Rows per tensor (seqlen, or total tokens for varlen): the kernels' mask sums reach seqlen_q + seqlen_k plus two
 // tiles of headroom (flash/common/mask.hpp), within int32 below this.
 constexpr int64_t kMaxRows = (int64_t(1) << 30) - flash::kWindowHeadroom;
 
+// The compiled tile width that runs a head_dim: the smallest of 64, 128, 256 that holds it (head_dim a multiple of 8
+// in [8, 256]; the kernels zero-fill the columns past it on load and never store them). 0: no kernel can.
 int padded_head_dim(int64_t head_dim) {
   if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) { return 0; }
   return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;

@@ -42,8 +42,8 @@ struct FwdTileConfig<64> {
 // query-key pairs a 192-row tile computes against those of a 128-row tile, per SM (flash/fwd/tile_choice.hpp, which
 // also counts waves of tiles over the SMs). The costs are the measured time per computed pair, 192 over 128 rows
 // (H200, 2026-11-30, session 5 run 6, double-buffered Q, bf16 TFLOP/s forced 128 / 192): no mask 512 331/345, 1024
-// 388/386, 2048 422/446, 4096 437/464, 8192 446/482, 16384 449/487 (0.85-0.92 per pair); causal 512 209/182, 1024 285/236, 2048 353/333, 4096 401/380, 8192 417/428, 16384 438/455
-// (0.85-0.97 per pair, 0.94-0.97 from 2048 up).
+// 388/386, 2048 422/446, 4096 437/464, 8192 446/482, 16384 449/487 (0.85-0.92 per pair); causal 512 209/182, 1024
+// 285/236, 2048 353/333, 4096 401/380, 8192 417/428, 16384 438/455 (0.85-0.97 per pair, 0.94-0.97 from 2048 up).
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
