@@ -232,7 +232,7 @@ def attention(
             skipped, so the cost grows with the window, not with seqlen_k.
         softcap: keyword-only float >= 0; when > 0, scores become ``softcap * tanh(S / softcap)`` before the
             softmax (Gemma 2 style logit soft-capping), with the matching backward (factor ``1 - tanh²``). 0: off.
-            tanh is ``tanh.approx.f32`` for bfloat16 inputs (relative error ~2^-11) and exact to ~1e-7 for float16.
+            tanh is ``tanh.approx.f32`` (relative error ~2^-11) for both dtypes.
         deterministic: keyword-only bool; if True the backward adds the partial sums of dQ (and, with GQA, of dK
             and dV) in a fixed order, so repeated backward passes give bitwise-identical gradients (at some cost in
             speed); if False (default) they are added as they finish and the last bits may differ between runs.
