@@ -307,19 +307,22 @@ def test_nan_input_row_stays_nan():
 
 
 @pytest.mark.parametrize(
-    "seqlen_q,seqlen_k,causal,window",
+    "seqlen_q,seqlen_k,causal,window,softcap",
     [
-        (1000, 1100, False, (-1, -1)),
-        (1000, 1100, True, (-1, -1)),
-        (1100, 300, True, (-1, -1)),  # the first query blocks see no key: empty tiles among the persistent ones
-        (1000, 1000, False, (100, 30)),
+        (1000, 1100, False, (-1, -1), 0.0),
+        (1000, 1100, True, (-1, -1), 0.0),
+        (1100, 300, True, (-1, -1), 0.0),  # the first query blocks see no key: empty tiles among the persistent ones
+        (1000, 1000, False, (100, 30), 0.0),
+        (1000, 100, False, (-1, -1), 0.0),  # one key block per tile: its first block is its last
+        (1000, 1100, True, (-1, -1), 20.0),
     ],
-    ids=["full", "causal", "causal-empty-rows", "window"],
+    ids=["full", "causal", "causal-empty-rows", "window", "one-key-block", "causal-softcap"],
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_persistent_many_tiles_per_cta(head_dim, seqlen_q, seqlen_k, causal, window):
+def test_persistent_many_tiles_per_cta(head_dim, seqlen_q, seqlen_k, causal, window, softcap):
     """About 1000 tiles (m_block, head, batch) for the GPU's ~132 persistent CTAs, so each CTA takes several tiles
-    from the counter, reloading Q and carrying the K/V pipeline across tiles (with GQA, 33 query heads over 11)."""
+    from the counter, reloading Q and carrying the K/V pipeline across tiles (with GQA, 33 query heads over 11), and
+    each consumer warpgroup issues a tile's last P V with the next tile's first QKᵀ (an empty tile in between: alone)."""
     dtype = _built_dtype(head_dim)
     batch, nheads, nheads_k = 4, 33, 11
     q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
@@ -327,9 +330,9 @@ def test_persistent_many_tiles_per_cta(head_dim, seqlen_q, seqlen_k, causal, win
     v = _randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
     assert -(-seqlen_q // 128) * nheads * batch > 7 * torch.cuda.get_device_properties(0).multi_processor_count
     _poison_allocator(q.numel() * q.element_size(), batch * nheads * seqlen_q * 4)
-    out, lse = attention(q, k, v, causal=causal, window_size=window, return_lse=True)
-    ref, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window, upcast=True)
-    naive, naive_lse = attention_ref(q, k, v, causal=causal, window_size=window, upcast=False)
+    out, lse = attention(q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window, softcap=softcap, upcast=True)
+    naive, naive_lse = attention_ref(q, k, v, causal=causal, window_size=window, softcap=softcap, upcast=False)
     assert_close_by_rule(out, ref, naive, "persistent out")
     assert_close_by_rule(lse, ref_lse, naive_lse, "persistent lse")
     empty = torch.isneginf(ref_lse)
