@@ -31,12 +31,7 @@ struct OnlineSoftmax {
   float row_sum[kRows];
   float const scale_log2;
 
-  static constexpr int kNumRows = kRows;
-
-  CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) { reset(); }
-
-  // A new set of rows (the forward's next tile).
-  CUTLASS_DEVICE void reset() {
+  CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       row_max[r] = -INFINITY;

@@ -72,10 +72,6 @@ struct FwdKernelTraits {
   // Persistent CTAs hold two Q buffers: the producer loads the next tile's Q (and starts its K/V) while this tile
   // still runs, instead of waiting for every consumer to finish this tile's last QKᵀ.
   static constexpr int kQBuffers = kPersistent ? 2 : 1;
-  // Each consumer warpgroup issues a tile's last P V with the next tile's first QKᵀ (PendingTile). Only where it
-  // fits the registers (ptxas, 2026-11-30): head_dim 64 with two consumer warpgroups, no spills; with three (160
-  // registers) the spills went from 156 to 468 B, at head_dim 128 from 0 to 124 B (the epilogue's row pointers).
-  static constexpr bool kCarryTile = kPersistent && kIntraWGOverlap && kHeadDim == 64 && NumMmaWarpGroups == 2;
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
@@ -209,135 +205,17 @@ CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) 
   storage.empty_barrier_[state.index()].arrive();
 }
 
-// Ping-pong between the consumer warpgroups (FlashAttention-3 paper §3.1; a round robin with three): a warpgroup
-// issues its GEMMs only in its turn and hands the turn to the next right after, so one warpgroup's softmax runs under
-// the others' GEMMs. Named barrier (user id) 2 + w is warpgroup w's turn (its 128 threads wait, the previous
-// warpgroup's 128 arrive). All warpgroups see the same tiles and take the same number of turns per tile; the last
-// warpgroup's last hand-over is warpgroup 0's next turn (the kernel makes the first hand-over and takes the last one),
-// so none runs two arrivals ahead.
-template <class Traits>
-struct Turns {
-  int wg;
-  bool on;
-  CUTLASS_DEVICE void wait() const {
-    if (on) { cutlass::arch::NamedBarrier::sync(Traits::kTurnBarrierThreads, 2 + wg); }
-  }
-  CUTLASS_DEVICE void pass() const {
-    if (on) {
-      int const next = wg + 1 == Traits::NumMmaWarpGroups ? 0 : wg + 1;
-      cutlass::arch::NamedBarrier::arrive(Traits::kTurnBarrierThreads, 2 + next);
-    }
-  }
-};
-
-// A consumer warpgroup's tile whose last P V has not been issued yet (persistent kernels with intra-warpgroup
-// overlap): that GEMM goes out in the same turn as the next tile's first QKᵀ, so the tensor cores have work while the
-// tile boundary's softmax and epilogue run. Holds where the epilogue writes; O, P and the row state stay in the
-// caller's registers.
-template <class Element>
-struct PendingTile {
-  bool active = false;
-  Element* o_base = nullptr;  // row 0 of the tile's sequence and head
-  float* lse_base = nullptr;
-  int row0 = 0, seqlen_q = 0;  // first row of the tile; rows at or past seqlen_q are not written
-};
-
-// Epilogue: O * (1 / l) and LSE, straight from registers (rows past seqlen_q and columns past head_dim_v are not
-// written).
-template <class Traits, class TensorO, size_t kRows>
-CUTLASS_DEVICE void fwd_epilogue(typename Traits::Params const& params, TensorO& tOrO,
-                                 cute::array<float, kRows> const& inv_sum, cute::array<float, kRows> const& lse,
-                                 int mma_tidx, PendingTile<typename Traits::Element> const& tile) {
-  using Element = typename Traits::Element;
-  typename Traits::TiledMmaPV tiled_mma_pv;
-  auto thr_mma_pv = tiled_mma_pv.get_thread_slice(mma_tidx);
-  OnlineSoftmax<int(kRows)>::scale_rows(tOrO, inv_sum);
-  Tensor tOrO_out = convert_type<Element>(tOrO);
-  Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
-  Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}));
-  Tensor c = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    int const row = tile.row0 + get<0>(c(r, 0));
-    if (row < tile.seqlen_q) {
-      Element* o_row = tile.o_base + row * params.o_row_stride;
-      // Columns come in adjacent pairs: one 32-bit store each.
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(o); j += 2) {
-        int const col = get<1>(c(r, j));
-        if (col < params.head_dim_v) {  // col is even and head_dim_v a multiple of 8: the pair is in or out whole
-          cutlass::Array<Element, 2> pair;
-          pair[0] = o(r, j);
-          pair[1] = o(r, j + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
-        }
-      }
-      if (mma_tidx % 4 == 0) { tile.lse_base[row] = lse[r]; }
-    }
-  }
-}
-
-// The pending tile's last P V, in a turn of its own, and its epilogue (before an empty tile, after the last tile, and
-// after every tile of kernels that do not carry a tile over).
-template <class Traits, class TensorO, class TensorP, class Softmax>
-CUTLASS_DEVICE void fwd_flush(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                              typename Traits::PipelineState& v_state, int mma_tidx, TensorO& tOrO,
-                              TensorP const& tOrP, Softmax& softmax, PendingTile<typename Traits::Element>& pending) {
-  if (!pending.active) { return; }
-  typename Traits::TiledMmaPV tiled_mma_pv;
-  auto thr_mma_pv = tiled_mma_pv.get_thread_slice(mma_tidx);
-  Tensor sVt = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutVt{});
-  Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
-  Turns<Traits> const turns{mma_tidx / cutlass::NumThreadsPerWarpGroup, params.pingpong};
-  stage_wait(ss.pipeline_v, v_state);
-  turns.wait();
-  wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-  turns.pass();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tOrO);
-  stage_release(ss.pipeline_v, v_state);
-  ++v_state;
-  cute::array<float, Softmax::kNumRows> lse;
-  auto const inv_sum = softmax.finalize(params.score_scale, lse);
-  fwd_epilogue<Traits>(params, tOrO, inv_sum, lse, mma_tidx, pending);
-  pending.active = false;
-}
-
-// Consumer perspective, one tile (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). kSoftcap is a template
+// Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). kSoftcap is a template
 // argument, not a runtime flag: its live registers made head_dim 256 spill even with the flag off. So is the Q
 // buffer: with a runtime index the Q descriptor stayed live through the main loop and spilled (head_dim 128: 60 B).
-// tOrO, tOrP and softmax carry the previous tile when pending.active (see PendingTile); this tile leaves itself
-// pending, or (kCarry false) finishes itself.
-template <class Traits, bool kSoftcap, int kQBuf, class TensorO, class TensorP, class Softmax>
+template <class Traits, bool kSoftcap, int kQBuf>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
-                                 int n_block_max, TensorO& tOrO, TensorP& tOrP, Softmax& softmax,
-                                 PendingTile<typename Traits::Element>& pending) {
+                                 int n_block_max) {
   constexpr int q_buf = kQBuf;
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
-  constexpr bool kCarry = Traits::kCarryTile;
-
-  // Built where it is needed: kept live through the key loop, its pointers made head_dim 128 spill.
-  auto this_tile = [&] {
-    return PendingTile<Element>{
-        true,
-        params.o_ptr + info.bidb * params.o_batch_stride + info.offset_q * params.o_row_stride +
-            bidh * params.o_head_stride,
-        params.lse_ptr + info.bidb * params.lse_batch_stride + bidh * params.lse_head_stride + info.offset_q,
-        m_block * kBlockM, info.seqlen_q};
-  };
-  if (n_block_max <= n_block_min) {  // no key to see: zeros and LSE -inf
-    fwd_flush<Traits>(params, ss, v_state, mma_tidx, tOrO, tOrP, softmax, pending);
-    ss.barrier_q_empty[q_buf].arrive();
-    softmax.reset();
-    clear(tOrO);
-    cute::array<float, Softmax::kNumRows> lse;
-    auto const inv_sum = softmax.finalize(params.score_scale, lse);
-    fwd_epilogue<Traits>(params, tOrO, inv_sum, lse, mma_tidx, this_tile());
-    return;
-  }
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
@@ -351,8 +229,10 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
   Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
 
+  Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  constexpr int kRows = Softmax::kNumRows;
+  constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
+  OnlineSoftmax<kRows> softmax(params.score_scale_log2);
   Window<kBlockM, kBlockN> const window{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
   int interior_lo, interior_hi;
   window.interior_n_blocks(m_block, interior_lo, interior_hi);
@@ -365,98 +245,129 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     }
     if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
   };
-  Turns<Traits> const turns{mma_tidx / cutlass::NumThreadsPerWarpGroup, params.pingpong};
+  clear(tOrO);
 
-  // Intra-warpgroup overlap (FlashAttention-3 paper §3.2, Algorithm 2): while the softmax of key block j runs
-  // on the CUDA cores, the tensor cores already work on O += P_{j-1} V_{j-1}. K and V stages are read one
-  // block apart, hence two read states (carried from tile to tile).
-  auto S = [&] { return partition_fragment_C(tiled_mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}); };
-  Tensor tSrS = S();
+  // Ping-pong between the consumer warpgroups (FlashAttention-3 paper §3.1; a round robin with three): a warpgroup
+  // issues its GEMMs only in its turn and hands the turn to the next right after, so one warpgroup's softmax runs
+  // under the others' GEMMs. Named barrier (user id) 2 + w is warpgroup w's turn (its 128 threads wait, the previous
+  // warpgroup's 128 arrive). All warpgroups take the same number of turns per tile; the last warpgroup's last
+  // hand-over of a tile is warpgroup 0's first turn of the next (the kernel makes the first hand-over and takes the
+  // last one), so none runs two arrivals ahead.
+  int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
+  bool const pingpong = params.pingpong && n_block_max > n_block_min;
+  auto wait_turn = [&] {
+    if (pingpong) { cutlass::arch::NamedBarrier::sync(Traits::kTurnBarrierThreads, 2 + wg); }
+  };
+  auto pass_turn = [&] {
+    if (pingpong) {
+      int const next = wg + 1 == Traits::NumMmaWarpGroups ? 0 : wg + 1;
+      cutlass::arch::NamedBarrier::arrive(Traits::kTurnBarrierThreads, 2 + next);
+    }
+  };
 
-  // First key block. With a pending tile, its last P V runs on the tensor cores in the same turn, under this block's
-  // softmax; its epilogue follows. The two cases are separate straight-line code: ptxas serialises every WGMMA of the
-  // kernel when a GEMM in flight on one path meets register writes on another (C7513).
-  int n_block = n_block_max - 1;
-  if (kCarry && pending.active) {
+  if (n_block_max > n_block_min) {
+    // Intra-warpgroup overlap (FlashAttention-3 paper §3.2, Algorithm 2): while the softmax of key block j runs
+    // on the CUDA cores, the tensor cores already work on O += P_{j-1} V_{j-1}. K and V stages are read one
+    // block apart, hence two read states (carried from tile to tile).
+    auto S = [&] { return partition_fragment_C(tiled_mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}); };
+    Tensor tSrS = S();
+    Tensor tOrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));  // P of the previous block, A operand
+
+    int n_block = n_block_max - 1;
     stage_wait(ss.pipeline_k, k_state);
-    stage_wait(ss.pipeline_v, v_state);
-    turns.wait();
+    wait_turn();
     wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
-    wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-    turns.pass();
-    cute::array<float, kRows> lse;
-    auto const inv_sum = softmax.finalize(params.score_scale, lse);  // the pending tile's rows are complete
-    warpgroup_wait<1>();  // S of this block is ready; the pending P V may still run
-    stage_release(ss.pipeline_k, k_state);
-    ++k_state;
-    softmax.reset();
-    prepare_scores(tSrS, n_block);
-    softmax.step(tSrS);  // this tile's O starts at zero: nothing to rescale
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tOrO);
-    stage_release(ss.pipeline_v, v_state);
-    ++v_state;
-    convert_type_into(tSrS, tOrP);  // first: S's registers die before the epilogue's
-    fwd_epilogue<Traits>(params, tOrO, inv_sum, lse, mma_tidx, pending);
-    pending.active = false;
-    clear(tOrO);
-  } else {
-    stage_wait(ss.pipeline_k, k_state);
-    turns.wait();
-    wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
-    turns.pass();
+    pass_turn();
     warpgroup_wait<0>();
     stage_release(ss.pipeline_k, k_state);
     ++k_state;
-    softmax.reset();
     prepare_scores(tSrS, n_block);
     softmax.step(tSrS);  // O is still zero: nothing to rescale
-    clear(tOrO);
     convert_type_into(tSrS, tOrP);
-  }
 
-  for (--n_block; n_block >= n_block_min; --n_block) {
-    Tensor tSrS = S();
-    if constexpr (!Traits::kIntraWGOverlap) {  // finish P V of the previous block first (fewer live registers)
-      stage_wait(ss.pipeline_v, v_state);
+    for (--n_block; n_block >= n_block_min; --n_block) {
+      Tensor tSrS = S();
+      if constexpr (!Traits::kIntraWGOverlap) {  // finish P V of the previous block first (fewer live registers)
+        stage_wait(ss.pipeline_v, v_state);
+        stage_wait(ss.pipeline_k, k_state);
+        wait_turn();
+        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+        warpgroup_wait<0>();  // P's registers die before S's accumulator is born
+        stage_release(ss.pipeline_v, v_state);
+        ++v_state;
+        wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+        pass_turn();
+        warpgroup_wait<0>();
+        stage_release(ss.pipeline_k, k_state);
+        ++k_state;
+        prepare_scores(tSrS, n_block);
+        OnlineSoftmax<kRows>::scale_rows(tOrO, softmax.step(tSrS));
+        convert_type_into(tSrS, tOrP);
+        continue;
+      }
       stage_wait(ss.pipeline_k, k_state);
-      turns.wait();
-      wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-      warpgroup_wait<0>();  // P's registers die before S's accumulator is born
-      stage_release(ss.pipeline_v, v_state);
-      ++v_state;
+      stage_wait(ss.pipeline_v, v_state);
+      wait_turn();
       wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
-      turns.pass();
-      warpgroup_wait<0>();
+      wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+      pass_turn();
+      warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
       stage_release(ss.pipeline_k, k_state);
       ++k_state;
       prepare_scores(tSrS, n_block);
-      Softmax::scale_rows(tOrO, softmax.step(tSrS));
+      auto rescale = softmax.step(tSrS);
+      warpgroup_wait<0>();  // O and the registers of P are free again
+      stage_release(ss.pipeline_v, v_state);
+      ++v_state;
+      OnlineSoftmax<kRows>::scale_rows(tOrO, rescale);
       convert_type_into(tSrS, tOrP);
-      continue;
     }
-    stage_wait(ss.pipeline_k, k_state);
+
+    // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
+    ss.barrier_q_empty[q_buf].arrive();
     stage_wait(ss.pipeline_v, v_state);
-    turns.wait();
-    wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+    wait_turn();
     wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-    turns.pass();
-    warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
-    stage_release(ss.pipeline_k, k_state);
-    ++k_state;
-    prepare_scores(tSrS, n_block);
-    auto rescale = softmax.step(tSrS);
-    warpgroup_wait<0>();  // O and the registers of P are free again
+    pass_turn();
+    warpgroup_wait<0>();
     stage_release(ss.pipeline_v, v_state);
     ++v_state;
-    Softmax::scale_rows(tOrO, rescale);
-    convert_type_into(tSrS, tOrP);
+  } else {
+    ss.barrier_q_empty[q_buf].arrive();
   }
 
-  // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
-  ss.barrier_q_empty[q_buf].arrive();
-  pending = this_tile();
-  if constexpr (!kCarry) { fwd_flush<Traits>(params, ss, v_state, mma_tidx, tOrO, tOrP, softmax, pending); }
+  // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q and columns past head_dim_v are not
+  // written).
+  cute::array<float, kRows> lse;
+  auto inv_sum = softmax.finalize(params.score_scale, lse);
+  OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
+  Tensor tOrO_out = convert_type<Element>(tOrO);
+  Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
+  Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor c = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  Element* o_base = params.o_ptr + info.bidb * params.o_batch_stride + info.offset_q * params.o_row_stride +
+                    bidh * params.o_head_stride;
+  float* lse_base =
+      params.lse_ptr + info.bidb * params.lse_batch_stride + bidh * params.lse_head_stride + info.offset_q;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    int const row = m_block * kBlockM + get<0>(c(r, 0));
+    if (row < info.seqlen_q) {
+      Element* o_row = o_base + row * params.o_row_stride;
+      // Columns come in adjacent pairs: one 32-bit store each.
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(o); j += 2) {
+        int const col = get<1>(c(r, j));
+        if (col < params.head_dim_v) {  // col is even and head_dim_v a multiple of 8: the pair is in or out whole
+          cutlass::Array<Element, 2> pair;
+          pair[0] = o(r, j);
+          pair[1] = o(r, j + 1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
+        }
+      }
+      if (mma_tidx % 4 == 0) { lse_base[row] = lse[r]; }
+    }
+  }
 }
 
 template <class Traits, bool kSoftcap>
@@ -536,15 +447,6 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     // Warpgroup 0 takes the first turn.
     if (params.pingpong && last_wg) { cutlass::arch::NamedBarrier::arrive(Traits::kTurnBarrierThreads, 2 + 0); }
     typename Traits::PipelineState k_state, v_state;
-    // Registers carried from tile to tile (see PendingTile): O, P of the last key block, the row state.
-    typename Traits::TiledMmaQK tiled_mma_qk;
-    typename Traits::TiledMmaPV tiled_mma_pv;
-    Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
-    Tensor tSrS_shape = partition_fragment_C(tiled_mma_qk, Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>{});
-    Tensor tOrP = make_tensor<typename Traits::Element>(acc_to_a_operand(tSrS_shape.layout()));
-    constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
-    OnlineSoftmax<kRows> softmax(params.score_scale_log2);
-    PendingTile<typename Traits::Element> pending;
     for (int iter = 0;; ++iter) {
       int const q_buf = iter % Traits::kQBuffers;
       ss.barrier_q[q_buf].wait((iter / Traits::kQBuffers) & 1);
@@ -554,14 +456,13 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
       if (q_buf == 0) {
         fwd_consumer<Traits, kSoftcap, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
-                                          n_block_max, tOrO, tOrP, softmax, pending);
+                                          n_block_max);
       } else if constexpr (Traits::kQBuffers > 1) {
         fwd_consumer<Traits, kSoftcap, 1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
-                                          n_block_max, tOrO, tOrP, softmax, pending);
+                                          n_block_max);
       }
       if constexpr (!Traits::kPersistent) { break; }
     }
-    fwd_flush<Traits>(params, ss, v_state, mma_tidx, tOrO, tOrP, softmax, pending);
     // The last warpgroup's last hand-over is left on warpgroup 0's barrier: take it.
     if (params.pingpong && wg == 0) { cutlass::arch::NamedBarrier::sync(Traits::kTurnBarrierThreads, 2 + 0); }
   }
