@@ -7,7 +7,7 @@ constexpr int kFwdPersistentMaxKeyBlocks = 32;
 // Shared memory per CTA = (kQBuffers * kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2 bytes (Q, K and V staged;
 // persistent CTAs double-buffer Q) plus barriers and 1 KiB alignment, within the 227 KiB a CTA may take of the H200's
 // 228 KiB per SM (static_assert in FwdKernelTraits):
-//   hdim  64: 192 x 128, 2 stages, 2 Q -> 112 KiB (or 128 x 128 -> 96 KiB, chosen per shape: see below)
+//   hdim  64: 192 x 128, 2 stages, 2 Q -> 112 KiB (or 128 x 128, 3 stages -> 128 KiB, chosen per shape: see below)
 //   hdim 128: 128 x 128, 2 stages, 2 Q -> 192 KiB
 //   hdim 256: 128 x  80, 2 stages, 1 Q -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
 // Two consumer warpgroups of 64 query rows each (kBlockM = 128; head_dim 64 also three, below). First configuration
@@ -44,8 +44,13 @@ struct FwdTileConfig<64> {
 // (H200, 2026-11-30, session 5 run 6, double-buffered Q, bf16 TFLOP/s forced 128 / 192): no mask 512 331/345, 1024
 // 388/386, 2048 422/446, 4096 437/464, 8192 446/482, 16384 449/487 (0.85-0.92 per pair); causal 512 209/182, 1024
 // 285/236, 2048 353/333, 4096 401/380, 8192 417/428, 16384 438/455 (0.85-0.97 per pair, 0.94-0.97 from 2048 up).
+// The 128-row tiles take a third K/V stage (shared memory is plentiful at head_dim 64), so the producer runs a block
+// further ahead and the next tile's first K and V are likelier to be there at the tile boundary (the likely reason;
+// not profiled). kFwd64WideCost* below were measured against two stages. H200,
+// 2026-11-30 (session 7, same process A/B, bf16 TFLOP/s 2 / 3 stages): causal 512 211/220, 1024 287/302, 2048
+// 352/360, and train_lm's shape (batch 8, 12 heads, 2048, causal) 314/319; points on 192-row tiles unchanged.
 struct FwdTileConfig64Narrow {
-  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
 };
 constexpr double kFwd64WideCostFull = 0.88;    // no causal mask or window
