@@ -10,5 +10,5 @@ grep -E "^(build|sass) " /tmp/gc.log
 for m in chosen 128 192; do
   if [[ $m == chosen ]]; then unset FAH_FWD_BLOCK_M; else export FAH_FWD_BLOCK_M=$m; fi
   timeout 150 python3 scripts/profile_train.py --steps 5 > $OUT_FINAL/profile_$m.log 2>&1
-  echo "== fwd block_m $m rc $?"; grep -E "^== |^  [+-]" $OUT_FINAL/profile_$m.log | head -n 14
+  echo "== fwd block_m $m rc $?"; grep -E "^== |^ +[+-]" $OUT_FINAL/profile_$m.log | head -n 14
 done

@@ -321,8 +321,8 @@ def test_nan_input_row_stays_nan():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_persistent_many_tiles_per_cta(head_dim, seqlen_q, seqlen_k, causal, window, softcap):
     """About 1000 tiles (m_block, head, batch) for the GPU's ~132 persistent CTAs, so each CTA takes several tiles
-    from the counter, reloading Q and carrying the K/V pipeline across tiles (with GQA, 33 query heads over 11), and
-    each consumer warpgroup issues a tile's last P V with the next tile's first QKᵀ (an empty tile in between: alone)."""
+    from the counter, reloading Q and carrying the K/V pipeline across tiles (with GQA, 33 query heads over 11); also
+    tiles of one key block and the softcap."""
     dtype = _built_dtype(head_dim)
     batch, nheads, nheads_k = 4, 33, 11
     q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)

@@ -46,9 +46,10 @@ struct FwdTileConfig<64> {
 // 285/236, 2048 353/333, 4096 401/380, 8192 417/428, 16384 438/455 (0.85-0.97 per pair, 0.94-0.97 from 2048 up).
 // The 128-row tiles take a third K/V stage (shared memory is plentiful at head_dim 64), so the producer runs a block
 // further ahead and the next tile's first K and V are likelier to be there at the tile boundary (the likely reason;
-// not profiled). kFwd64WideCost* below were measured against two stages. H200,
-// 2026-11-30 (session 7, same process A/B, bf16 TFLOP/s 2 / 3 stages): causal 512 211/220, 1024 287/302, 2048
-// 352/360, and train_lm's shape (batch 8, 12 heads, 2048, causal) 314/319; points on 192-row tiles unchanged.
+// not profiled). kFwd64WideCost* above were measured against two stages. H200, 2026-11-30 (session 7 run 6, one
+// device call, a process per build, bf16 TFLOP/s 2 / 3 stages): causal 512 211/220, 1024 287/302, 2048 352/360,
+// 4096 400/396, train_lm's shape (batch 8, 12 heads, 2048, causal) 314/319; the unchanged 192-row points moved by up
+// to 2 %, so only 512 and 1024 clear the noise.
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
