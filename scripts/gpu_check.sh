@@ -11,7 +11,8 @@
 #   build   python3 setup.py build_ext --inplace with MAX_JOBS=$(nproc) and FAH_PTXAS_VERBOSE=1, from a clean
 #           build directory (.fah_build/build_temp); the .so lands in flash_attn_hopper/. Timed; full log kept.
 #   sass    cuobjdump --dump-sass of the .so: HGMMA count per kernel (fails if a forward kernel has none),
-#           and registers / stack / spills per kernel from the ptxas report in the build log (spills flagged).
+#           and registers / stack / spills per kernel from the ptxas report in the build log (spills flagged;
+#           fails if ptxas serialized the wgmma of any kernel).
 #   tests   python3 -m pytest tests -q -rs --durations=5 (with junit xml), PYTHONPATH = repo root
 #   bench   python3 -m flash_attn_hopper.benchmark $BENCH_ARGS (forward and backward; the grid of
 #           shared/baselines.md plus feature points, skipped with the reason until the features exist), with
@@ -205,7 +206,7 @@ else
     STATUS[sass]=FAILED; DETAIL[sass]="cuobjdump exit $rc: $(head -c 300 "$WORK/cuobjdump.err")"
   else
     "$PY" "$ROOT/scripts/kernel_report.py" --sass "$WORK/sass.txt" "${PTXAS_ARGS[@]}" "${SPILL_FLAG[@]}" \
-      --out "$WORK/kernels.txt"
+      --fail-on-serialized --out "$WORK/kernels.txt"
     rc=$?
     if [[ $rc == 0 ]]; then STATUS[sass]=ok; else STATUS[sass]=FAILED; fi
     DETAIL[sass]="$(grep -m1 '^HGMMA check' "$WORK/kernels.txt" 2>/dev/null); $(grep -m1 '^spills' "$WORK/kernels.txt" 2>/dev/null)"

@@ -13,8 +13,9 @@ registers, stack frame, spill stores/loads and static shared memory, and ptxas's
 notes (wgmma serialized).
 
 Exit status: 0 when every kernel whose name matches --hgmma-regex (and not --exclude-regex) has HGMMA and at least
-one such kernel exists; 1 otherwise (also on spills with --fail-on-spill); 2 when an input is missing or empty.
-Spills and serialized wgmma are flagged, not failed, by default.
+one such kernel exists; 1 otherwise (also on spills with --fail-on-spill, on serialized wgmma with
+--fail-on-serialized); 2 when an input is missing or empty. Spills and serialized wgmma are flagged, not failed, by
+default.
 """
 
 import argparse
@@ -229,7 +230,7 @@ def _n(x):
     return "-" if x is None else str(x)
 
 
-def build_report(sass, ptxas, hgmma_rx, exclude_rx, fail_on_spill):
+def build_report(sass, ptxas, hgmma_rx, exclude_rx, fail_on_spill, fail_on_serialized=False):
     """Returns (report text, verdict, problems, flags). With no SASS the HGMMA check is not run."""
     names = sorted(set(sass) | {n for n, r in ptxas.items() if r["entry"]})
     dem = demangle(names)
@@ -287,6 +288,8 @@ def build_report(sass, ptxas, hgmma_rx, exclude_rx, fail_on_spill):
         )
     if fail_on_spill and any("spills:" in f for f in flags):
         problems.extend(f for f in flags if "spills:" in f)
+    if fail_on_serialized:
+        problems.extend(f for f in flags if " ptxas: " in f and "serialized" in f)
 
     header = (
         "| id | kernel | dtype | needs HGMMA | HGMMA | SS | RS | TMA ld | setmaxnreg | LDL+STL | regs | stack | "
@@ -351,6 +354,11 @@ def main(argv=None):
         "'(?i)combine|preprocess|postprocess|convert'; empty for none)",
     )
     ap.add_argument("--fail-on-spill", action="store_true", help="exit 1 when any kernel spills")
+    ap.add_argument(
+        "--fail-on-serialized",
+        action="store_true",
+        help="exit 1 when ptxas reports serialized wgmma for any kernel (each WGMMA waits for the previous one)",
+    )
     ap.add_argument("--out", help="also write the report here")
     args = ap.parse_args(argv)
 
@@ -375,7 +383,9 @@ def main(argv=None):
         return 2
     hgmma_rx = re.compile(args.hgmma_regex)
     exclude_rx = re.compile(args.exclude_regex) if args.exclude_regex else None
-    report, _, problems, _ = build_report(sass, ptxas, hgmma_rx, exclude_rx, args.fail_on_spill)
+    report, _, problems, _ = build_report(
+        sass, ptxas, hgmma_rx, exclude_rx, args.fail_on_spill, args.fail_on_serialized
+    )
     sys.stdout.write(report)
     if args.out:
         with open(args.out, "w") as f:
