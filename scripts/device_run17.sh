@@ -3,10 +3,8 @@
 # GPU time per backend and the difference) with the forward's tile height as chosen and forced to 128 and 192.
 set -u
 export PYTHONPATH=$PWD
-rm -rf build .fah_build flash_attn_hopper/_C*.so
 OUT_FINAL=$OUT
-OUT=/tmp/gcout FAH_HDIMS=64 FAH_DTYPES=bf16 FAH_SKIP_TESTS=1 FAH_SKIP_BENCH=1 bash scripts/gpu_check.sh > /tmp/gc.log 2>&1
-grep -E "^(build|sass) " /tmp/gc.log
+source scripts/device_dev_build.sh
 for m in chosen 128 192; do
   if [[ $m == chosen ]]; then unset FAH_FWD_BLOCK_M; else export FAH_FWD_BLOCK_M=$m; fi
   timeout 150 python3 scripts/profile_train.py --steps 5 > $OUT_FINAL/profile_$m.log 2>&1
