@@ -478,7 +478,10 @@ def test_check_compiled_uses_the_rounded_head_dim(monkeypatch):
         assert "[128]" in str(info.value)
 
 
-@pytest.mark.skipif(flash_attn_hopper.EXTENSION_LOADED, reason="checks the error for a missing extension: needs a tree without the built extension")
+@pytest.mark.skipif(
+    flash_attn_hopper.EXTENSION_LOADED,
+    reason="checks the error for a missing extension: needs a tree without the built extension",
+)
 def test_missing_extension_raises_runtime_error(monkeypatch):
     # Pretend the device checks pass, so the call gets as far as the extension.
     monkeypatch.setattr(interface, "_check_devices", lambda named: None)

@@ -149,7 +149,7 @@ void check_attention_inputs(at::Tensor const& q, at::Tensor const& k, at::Tensor
   TORCH_CHECK(padded_head_dim(v.size(3)) != 0, "v's head_dim must be a multiple of 8 in [8, 256], got ", v.size(3));
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale must be finite and > 0");
   TORCH_CHECK(nheads <= 65535 && q.size(0) <= 65535, "nheads and batch must be at most 65535");
-  // The kernels' mask and tile sums (flash/common/mask.hpp) stay in int for lengths below 2^30.
+  // The kernels' mask and tile sums (flash/common/mask.hpp) stay in int below kMaxRows.
   TORCH_CHECK(q.size(1) < kMaxRows && k.size(1) < kMaxRows, "seqlen_q and seqlen_k must be below 2^30 - 256");
 }
 
