@@ -42,11 +42,11 @@ EXTENSION_LOADED = _load()
 def _register_python_kernels():
     """Fake (meta) kernels of the C++ ops, so torch.compile traces them as graph nodes. Their autograd formulas are
     registered in C++ (csrc/api/flash_api.cpp, the Autograd kernels of fwd and fwd_varlen): the forward saves q, k, v,
-    out and lse; its backward is the FlashAttention-3 backward op (paper §2.1); lse is differentiable (its gradient
+    out, lse (and fwd's doc_bounds); its backward is the FlashAttention-3 backward op (paper §2.1); lse is differentiable (its gradient
     dLSE enters the backward op, where dS gains P ∘ dLSE)."""
 
     @torch.library.register_fake("flash_attn_hopper::fwd")
-    def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None):
         batch, seqlen_q, nheads, _ = q.shape
         return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])), q.new_empty(
             (batch, nheads, seqlen_q), dtype=torch.float32
@@ -54,7 +54,7 @@ def _register_python_kernels():
 
     @torch.library.register_fake("flash_attn_hopper::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
-                  deterministic):
+                  deterministic, doc_bounds=None):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     @torch.library.register_fake("flash_attn_hopper::fwd_varlen")

@@ -197,7 +197,7 @@ def _check_softcap(softcap, softmax_scale):
 
 def attention(
     q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0,
-    deterministic=False,
+    deterministic=False, document_ids=None,
 ):
     """Exact scaled dot-product attention on Hopper GPUs (FlashAttention-3 forward and backward).
 
@@ -236,6 +236,12 @@ def attention(
         deterministic: keyword-only bool; if True the backward adds the partial sums of dQ (and, with GQA, of dK
             and dV) in a fixed order, so repeated backward passes give bitwise-identical gradients (at some cost in
             speed); if False (default) they are added as they finish and the last bits may differ between runs.
+        document_ids: keyword-only, None or an integer tensor ``(batch, seqlen)`` on q's device, for several
+            sequences packed into each row (self-attention: seqlen_q == seqlen_k == seqlen). Each run of equal
+            consecutive ids is one document, and query i sees key j only when both are in the same run (on top of
+            causal and window_size, which stay relative to the row: within a document that is the same as running it
+            alone). Read on the device only (no host synchronisation, also under torch.compile); key tiles outside a
+            row block's documents are skipped. Equal ids that are not adjacent are different documents.
 
     Returns:
         ``out`` of shape ``(batch, seqlen_q, nheads, head_dim_v)`` in q's dtype, or ``(out, lse)`` with ``lse``
@@ -245,7 +251,7 @@ def attention(
     Raises:
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
             softmax_scale or softcap is not a real number; causal or deterministic is not a bool; window_size is not a
-            pair of ints.
+            pair of ints; document_ids is not an integer tensor.
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is
@@ -253,30 +259,35 @@ def attention(
             the last dimension's stride is not 1; a tensor is not on a CUDA device, the tensors are on different
             devices, or the GPU is not sm90;
             softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right
-            side > 0; softcap is negative or not finite, or softmax_scale / softcap is not a normal float32.
+            side > 0; softcap is negative or not finite, or softmax_scale / softcap is not a normal float32;
+            document_ids is not ``(batch, seqlen)`` on q's device, or seqlen_q != seqlen_k with document_ids.
         RuntimeError: the compiled extension is not available; (in the backward) differentiating dq, dk, dv again
             (double backward is not supported: ``create_graph=True`` works, a second backward through it raises).
 
     Gradients: when q, k or v requires grad, ``out`` (and ``lse``) backpropagate through the FlashAttention-3
     backward (paper §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = α dS K, dK = α dSᵀ Q),
-    recomputing P from the saved LSE; saved state is q, k, v, out and lse. ``lse`` is differentiable: since
+    recomputing P from the saved LSE; saved state is q, k, v, out and lse (and the document bounds). ``lse`` is differentiable: since
     d LSE_i / d S_ij = P_ij, a loss that uses it adds ``P ∘ dLSE`` to dS at no extra cost (what ring and
     context-parallel attention need to merge partial results).
 
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     compiling = torch.compiler.is_compiling()
-    key = None if compiling else _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic)
+    key = None if compiling else _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                                                 document_ids)
     args = _CHECKED_CALLS.get(key) if key is not None else None
     if args is None:
         args = _check_call(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, compiling)
+        if document_ids is not None:
+            _check_document_ids(document_ids, q, k)
         if key is not None:
             if len(_CHECKED_CALLS) >= _CHECKED_CALLS_MAX:
                 _CHECKED_CALLS.clear()
             _CHECKED_CALLS[key] = args
+    doc_bounds = None if document_ids is None else _document_bounds(document_ids, compiling)
     # The registered op (its autograd formula is in C++, its fake kernel in _ops.py): one graph node under
     # torch.compile, and in eager mode no Python between the forward and the backward kernels.
-    out, lse = torch.ops.flash_attn_hopper.fwd.default(q, k, v, *args)
+    out, lse = torch.ops.flash_attn_hopper.fwd.default(q, k, v, *args, doc_bounds)
     return (out, lse) if return_lse else out
 
 
@@ -304,7 +315,7 @@ _CHECKED_CALLS = {}
 _CHECKED_CALLS_MAX = 4096
 
 
-def _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic):
+def _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, document_ids=None):
     """A key that fixes everything the checks read, or None (then the checks run). Only for plain tensors and
     arguments of exact builtin types, so that equal keys mean equal outcomes (1 == True, but an int causal must
     still raise TypeError)."""
@@ -313,10 +324,67 @@ def _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, determ
     if (type(causal) is not bool or type(deterministic) is not bool or type(softcap) is not float
             or not (softmax_scale is None or type(softmax_scale) is float)
             or type(window_size) is not tuple or len(window_size) != 2
-            or type(window_size[0]) is not int or type(window_size[1]) is not int):
+            or type(window_size[0]) is not int or type(window_size[1]) is not int
+            or not (document_ids is None or type(document_ids) is torch.Tensor)):
         return None
+    documents = None if document_ids is None else (document_ids.shape, document_ids.dtype, document_ids.device)
     return (q.shape, k.shape, v.shape, q.stride(-1), k.stride(-1), v.stride(-1), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, softmax_scale, causal, window_size, softcap, deterministic)
+            q.device, k.device, v.device, softmax_scale, causal, window_size, softcap, deterministic, documents)
+
+
+# ------------------------------------------------------------------------------------------ packed documents
+
+_DOCUMENT_ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _check_document_ids(document_ids, q, k):
+    """Type, dtype, device and shape of document_ids (no device read)."""
+    if not isinstance(document_ids, torch.Tensor):
+        raise TypeError(f"document_ids must be a torch.Tensor or None, got {type(document_ids).__name__}")
+    if document_ids.dtype not in _DOCUMENT_ID_DTYPES:
+        raise TypeError(f"document_ids must have an integer dtype (int8/16/32/64, uint8), got {document_ids.dtype}")
+    if document_ids.device != q.device:
+        raise ValueError(f"document_ids is on {document_ids.device} but q is on {q.device}; it must be on q's device")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"document_ids packs documents for self-attention: seqlen_q ({q.shape[1]}) must equal seqlen_k "
+            f"({k.shape[1]})"
+        )
+    if tuple(document_ids.shape) != (q.shape[0], q.shape[1]):
+        raise ValueError(
+            f"document_ids must have shape (batch, seqlen) = {(q.shape[0], q.shape[1])}, got {tuple(document_ids.shape)}"
+        )
+
+
+# document_ids tensors -> their bounds (the layers of one step pass the same tensor: computed once per step).
+_DOCUMENT_BOUNDS = None  # a _ValueNotes, made below
+
+
+def document_bounds(document_ids):
+    """The kernels' form of ``document_ids`` (batch, seqlen): an int32 ``(2, batch, seqlen)`` tensor of, per position,
+    the first position of its document and one past the last (runs of equal consecutive ids). Device work only."""
+    batch, seqlen = document_ids.shape
+    device = document_ids.device
+    if seqlen == 0:
+        return torch.empty((2, batch, 0), dtype=torch.int32, device=device)
+    starts = torch.cat([torch.ones((batch, 1), dtype=torch.bool, device=device),
+                        document_ids[:, 1:] != document_ids[:, :-1]], dim=1)
+    pos = torch.arange(seqlen, dtype=torch.int32, device=device).expand(batch, seqlen)
+    doc_start = torch.where(starts, pos, 0).cummax(dim=1).values
+    next_start = torch.where(starts, pos, seqlen)[:, 1:]  # doc_end[i]: the first start after i, else seqlen
+    doc_end = torch.cat([next_start.flip(1).cummin(dim=1).values.flip(1),
+                         torch.full((batch, 1), seqlen, dtype=torch.int32, device=device)], dim=1)
+    return torch.stack([doc_start, doc_end]).to(torch.int32).contiguous()
+
+
+def _document_bounds(document_ids, compiling):
+    if compiling:
+        return document_bounds(document_ids)
+    bounds = _DOCUMENT_BOUNDS.get(document_ids)
+    if bounds is _ValueNotes.MISSING:
+        bounds = document_bounds(document_ids)
+        _DOCUMENT_BOUNDS.put(document_ids, bounds)
+    return bounds
 
 
 # ---------------------------------------------------------------------------------------------- variable length
@@ -349,6 +417,7 @@ class _ValueNotes:
 
 # cu_seqlens tensors whose values were checked -> (first entry, last entry, longest sequence).
 _CHECKED_CU_SEQLENS = _ValueNotes()
+_DOCUMENT_BOUNDS = _ValueNotes()
 
 
 def _check_cu_seqlens_meta(name, cu, q):

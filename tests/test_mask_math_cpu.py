@@ -32,17 +32,29 @@ def kernel_window(window_left, window_right, seqlen_q, seqlen_k):
 
 
 class Window:
-    def __init__(self, block_m, block_n, seqlen_q, seqlen_k, left, right):
+    def __init__(self, block_m, block_n, seqlen_q, seqlen_k, left, right, doc_start=None, doc_end=None):
         self.bm, self.bn, self.sq, self.sk, self.left, self.right = block_m, block_n, seqlen_q, seqlen_k, left, right
+        self.doc_start, self.doc_end = doc_start, doc_end
 
     def offset(self):
         return self.sk - self.sq
+
+    def documents(self):
+        return self.doc_start is not None
+
+    def doc_lo(self, i):
+        return self.doc_start[max(min(i, self.sq - 1), 0)]
+
+    def doc_hi(self, i):
+        return self.doc_end[max(min(i, self.sq - 1), 0)]
 
     def n_block_range(self, m_block):
         first_row = m_block * self.bm
         last_row = min(first_row + self.bm, self.sq) - 1
         lo = max(first_row + self.offset() - self.left, 0)
         hi = min(last_row + self.offset() + self.right + 1, self.sk)
+        if self.documents():
+            lo, hi = max(lo, self.doc_lo(first_row)), min(hi, self.doc_hi(last_row))
         n_min = lo // self.bn  # C++ int division of a value >= 0
         return n_min, (n_min if hi <= lo else ceil_div(hi, self.bn))
 
@@ -51,6 +63,8 @@ class Window:
         last_key = min(first_key + self.bn, self.sk) - 1
         lo = max(first_key - self.offset() - self.right, 0)
         hi = min(last_key - self.offset() + self.left + 1, self.sq)
+        if self.documents():
+            lo, hi = max(lo, self.doc_lo(first_key)), min(hi, self.doc_hi(last_key))
         m_min = lo // self.bm
         return m_min, (m_min if hi <= lo else ceil_div(hi, self.bm))
 
@@ -58,27 +72,65 @@ class Window:
         first_row, last_row = m_block * self.bm, m_block * self.bm + self.bm - 1
         lo = ceil_div(max(last_row + self.offset() - self.left, 0), self.bn)
         hi = max(min(first_row + self.offset() + self.right + 1, self.sk), 0) // self.bn
+        if self.documents():
+            lo, hi = max(lo, ceil_div(self.doc_lo(last_row), self.bn)), min(hi, self.doc_hi(first_row) // self.bn)
         return lo, hi
 
     def interior_m_blocks(self, n_block):
         first_col, last_col = n_block * self.bn, n_block * self.bn + self.bn - 1
         lo = ceil_div(max(last_col - self.offset() - self.right, 0), self.bm)
         hi = 0 if last_col >= self.sk else max(first_col - self.offset() + self.left + 1, 0) // self.bm
+        if self.documents():
+            lo, hi = max(lo, ceil_div(self.doc_lo(last_col), self.bm)), min(hi, self.doc_hi(first_col) // self.bm)
         return lo, hi
 
     def key_limits(self, row, n_block):
         base = row + self.offset() - n_block * self.bn
-        return base - self.left, min(base + self.right + 1, self.sk - n_block * self.bn)
+        lo, hi = base - self.left, min(base + self.right + 1, self.sk - n_block * self.bn)
+        if self.documents():
+            lo, hi = max(lo, self.doc_lo(row) - n_block * self.bn), min(hi, self.doc_hi(row) - n_block * self.bn)
+        return lo, hi
+
+    def row_limits(self, key, m_block):
+        base = key - self.offset() - m_block * self.bm
+        lo, hi = base - self.right, (base + self.left + 1 if key < self.sk else 0)
+        if self.documents():
+            lo, hi = max(lo, self.doc_lo(key) - m_block * self.bm), min(hi, self.doc_hi(key) - m_block * self.bm)
+        return lo, hi
 
 
-def _check(block_m, block_n, seqlen_q, seqlen_k, window, causal):
+def document_bounds(document_ids):
+    """Per position of one row: (first position of its document, one past the last), by brute force."""
+    n = len(document_ids)
+    start, end = [], []
+    for i in range(n):
+        a = i
+        while a > 0 and document_ids[a - 1] == document_ids[i]:
+            a -= 1
+        b = i + 1
+        while b < n and document_ids[b] == document_ids[i]:
+            b += 1
+        start.append(a)
+        end.append(b)
+    return start, end
+
+
+def _check(block_m, block_n, seqlen_q, seqlen_k, window, causal, document_ids=None):
     left, right = window
     if causal:
         right = 0
     visible = local_mask(seqlen_q, seqlen_k, (left, right))
-    w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(left, right, seqlen_q, seqlen_k))
+    docs = (None, None)
+    if document_ids is not None:
+        assert seqlen_q == seqlen_k == len(document_ids)
+        docs = document_bounds(document_ids)
+        ids = torch.tensor(document_ids)
+        # runs of equal consecutive ids: number the runs
+        run = torch.cat([torch.zeros(1, dtype=torch.long), (ids[1:] != ids[:-1]).long()]).cumsum(0)
+        visible = visible & (run.unsqueeze(1) == run.unsqueeze(0))
+    w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(left, right, seqlen_q, seqlen_k), *docs)
     m_blocks, n_blocks = ceil_div(seqlen_q, block_m), ceil_div(seqlen_k, block_n)
-    where = f"{block_m}x{block_n} seqlens {seqlen_q}x{seqlen_k} window {window} causal {causal}"
+    where = f"{block_m}x{block_n} seqlens {seqlen_q}x{seqlen_k} window {window} causal {causal} docs {document_ids}"
 
     def tile(m, n):
         return visible[m * block_m : (m + 1) * block_m, n * block_n : (n + 1) * block_n]
@@ -90,9 +142,16 @@ def _check(block_m, block_n, seqlen_q, seqlen_k, window, causal):
     # with the kernel's window (kernel_window): the same as the rule for real rows, and no masking of padding rows
     # where the rule is unbounded
     whole = (j < seqlen_k) & (j >= diag - w.left) & (j <= diag + w.right)
+    whole_bwd = whole.clone()
+    if document_ids is not None:
+        # The forward's rows past seqlen_q take the last row's document (the kernels clamp the row); the backward
+        # bounds rows by each key's document, which holds no row past seqlen_q (those tiles are never interior there).
+        row, col = i.clamp(max=seqlen_q - 1), j.clamp(max=seqlen_k - 1)
+        whole &= (j >= torch.tensor(docs[0])[row]) & (j < torch.tensor(docs[1])[row])
+        whole_bwd &= (i >= torch.tensor(docs[0])[col]) & (i < torch.tensor(docs[1])[col])
 
-    def whole_tile(m, n):
-        return whole[m * block_m : (m + 1) * block_m, n * block_n : (n + 1) * block_n]
+    def whole_tile(m, n, mask=whole):
+        return mask[m * block_m : (m + 1) * block_m, n * block_n : (n + 1) * block_n]
 
     for m in range(m_blocks):
         n_min, n_max = w.n_block_range(m)
@@ -113,9 +172,14 @@ def _check(block_m, block_n, seqlen_q, seqlen_k, window, causal):
         m_min, m_max = w.m_block_range(n)
         lo, hi = w.interior_m_blocks(n)
         for m in range(m_blocks):
-            assert (lo <= m < hi) == bool(whole_tile(m, n).all()), f"{where}: backward interior ({lo}, {hi}) at {m}, {n}"
+            assert (lo <= m < hi) == bool(whole_tile(m, n, whole_bwd).all()), f"{where}: backward interior ({lo}, {hi}) at {m}, {n}"
             inside = m_min <= m < m_max
             assert inside == bool(tile(m, n).any()), f"{where}: backward n_block {n} m_block {m} range ({m_min}, {m_max})"
+            for key in range(n * block_n, min((n + 1) * block_n, seqlen_k)):
+                row_lo, row_hi = w.row_limits(key, m)
+                rows = torch.arange(min(block_m, seqlen_q - m * block_m))
+                expect = visible[m * block_m : (m + 1) * block_m, key]
+                assert torch.equal((rows >= row_lo) & (rows < row_hi), expect), f"{where}: row_limits key {key} m {m}"
 
 
 SEQLENS = [(1, 1), (1, 13), (13, 1), (7, 30), (30, 7), (16, 16), (33, 40), (40, 33)]
@@ -144,6 +208,47 @@ def test_tile_math_small(block_m, block_n, causal):
 )
 def test_tile_math_kernel_tiles(block_m, block_n, seqlen_q, seqlen_k, window):
     _check(block_m, block_n, seqlen_q, seqlen_k, window, causal=False)
+
+
+def _documents(lengths):
+    ids = []
+    for d, n in enumerate(lengths):
+        ids += [d % 3] * n  # ids repeat (0, 1, 2, 0, ...): only runs of equal adjacent ids form a document
+    return ids
+
+
+DOCUMENTS = [[1], [5], [1, 1, 1], [3, 4], [7, 1, 8], [16, 16], [2, 13, 1, 4], [1, 30, 2], [9, 9, 9, 6]]
+
+
+@pytest.mark.parametrize("block_m,block_n", [(4, 8), (8, 4), (8, 8), (16, 4)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tile_math_documents(block_m, block_n, causal):
+    """Packed documents (document_ids): both sides' block ranges are the tiles holding a visible element, interior
+    runs exact, key_limits / row_limits exact, with and without windows."""
+    for lengths, window in itertools.product(DOCUMENTS, [(-1, -1), (0, 0), (3, 1), (-1, 2), (5, -1)]):
+        ids = _documents(lengths)
+        _check(block_m, block_n, len(ids), len(ids), window, causal, ids)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (192, 128), (64, 128), (128, 80)])
+def test_tile_math_documents_kernel_tiles(block_m, block_n):
+    for lengths, window, causal in [([300, 1, 212, 500], (-1, -1), True), ([77, 600, 130, 5], (-1, -1), False),
+                                    ([1000], (-1, -1), True), ([129, 128, 127, 640], (100, 0), True)]:
+        ids = _documents(lengths)
+        _check(block_m, block_n, len(ids), len(ids), window, causal, ids)
+
+
+def test_document_bounds_of_the_python_layer():
+    """flash_attn_hopper.interface.document_bounds (torch ops, CPU here) against the brute force above."""
+    from flash_attn_hopper.interface import document_bounds as torch_bounds
+
+    rows = [_documents(lengths) for lengths in ([3, 4, 3, 1, 1], [12], [1] * 12, [5, 7])]
+    got = torch_bounds(torch.tensor(rows))
+    assert got.dtype == torch.int32 and got.shape == (2, 4, 12) and got.is_contiguous()
+    for b, ids in enumerate(rows):
+        start, end = document_bounds(ids)
+        assert got[0, b].tolist() == start and got[1, b].tolist() == end
+    assert torch_bounds(torch.zeros((3, 0), dtype=torch.int64)).shape == (2, 3, 0)
 
 
 def test_kernel_window_clamps_unbounded_and_wide_sides():
@@ -261,3 +366,15 @@ def test_deterministic_dq_order_is_deadlock_free_and_lets_causal_run_without_wai
         assert waits == 0
         assert simulate_deterministic_dq(w, unlimited, decreasing=False) > 0  # what the old order cost
 
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 128), (128, 128)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_deterministic_dq_order_with_documents(block_m, block_n, causal):
+    """Deterministic dQ with packed documents: both sides' ranges agree (turn() asserts it) and no order deadlocks."""
+    ids = _documents([300, 1, 212, 500, 64, 3])
+    start, end = document_bounds(ids)
+    n = len(ids)
+    w = Window(block_m, block_n, n, n, *kernel_window(-1, 0 if causal else -1, n, n), start, end)
+    for sms in (1, 2, 5, ceil_div(n, block_n)):
+        assert simulate_deterministic_dq(w, sms) is not None, sms

@@ -275,10 +275,31 @@ Varlen check_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& 
           int(std::min<int64_t>(max_seqlen_q, q.size(0))), int(std::min<int64_t>(max_seqlen_k, k.size(0)))};
 }
 
+// Documents of a dense batch (packed sequences in each row): the kernels' per-position bounds, or nulls.
+struct Documents {
+  int const* start = nullptr;
+  int const* end = nullptr;
+};
+
+// doc_bounds: None, or the int32 (2, batch, seqlen) [doc_start; doc_end] tensor that flash_attn_hopper's Python layer
+// derives from document_ids (interface._document_bounds). Its values are trusted: the kernels clamp every index they
+// read into the row, so bad values cannot make them read out of bounds.
+Documents check_documents(std::optional<at::Tensor> const& doc_bounds, at::Tensor const& q, at::Tensor const& k) {
+  if (!doc_bounds.has_value()) { return {}; }
+  at::Tensor const& b = *doc_bounds;
+  TORCH_CHECK(q.size(1) == k.size(1), "documents need self-attention lengths: seqlen_q ", q.size(1),
+              " != seqlen_k ", k.size(1));
+  TORCH_CHECK(b.is_cuda() && b.device() == q.device() && b.scalar_type() == at::kInt && b.is_contiguous() &&
+                  b.dim() == 3 && b.size(0) == 2 && b.size(1) == q.size(0) && b.size(2) == q.size(1),
+              "doc_bounds must be a contiguous int32 (2, batch, seqlen) tensor on q's device");
+  int const* start = b.data_ptr<int>();
+  return {start, start + q.size(0) * q.size(1)};
+}
+
 // Forward of checked (batch, rows, nheads, head_dim) views into out (same layout, 3-D for varlen) and lse.
 void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
                 at::Tensor const& out, at::Tensor const& lse, Varlen const& varlen, double softmax_scale,
-                ScoreOptions const& opts) {
+                ScoreOptions const& opts, Documents const& docs = {}) {
   bool const is_varlen = varlen.cu_seqlens_q != nullptr;
   int const head_dim = q_in.size(3), head_dim_v = v_in.size(3);
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
@@ -305,6 +326,7 @@ void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::T
   p.softmax_scale = float(softmax_scale);
   p.softcap = opts.softcap;
   p.window_left = opts.window_left, p.window_right = opts.window_right;
+  p.doc_start = docs.start, p.doc_end = docs.end;
   p.pingpong = fwd_pingpong();
   p.num_sms = num_sms(q);
   at::Tensor tile_counter;
@@ -319,9 +341,11 @@ void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::T
 // `deterministic` only travels to the backward (autograd saves the forward's inputs); the forward is deterministic.
 std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
                                        double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                                       double softcap, bool /*deterministic*/) {
+                                       double softcap, bool /*deterministic*/,
+                                       std::optional<at::Tensor> const& doc_bounds) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
+  Documents const docs = check_documents(doc_bounds, q_in, k_in);
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim_v = v_in.size(3);
   int const seqlen_k = k_in.size(1), kernel_hdim = kernel_head_dim(q_in, v_in);
   FwdFn const run =
@@ -336,7 +360,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
     lse.fill_(-INFINITY);
     return {out, lse};
   }
-  launch_fwd(run, q_in, k_in, v_in, out, lse, Varlen{}, softmax_scale, opts);
+  launch_fwd(run, q_in, k_in, v_in, out, lse, Varlen{}, softmax_scale, opts, docs);
   return {out, lse};
 }
 
@@ -382,7 +406,7 @@ at::Tensor contiguous_dlse(std::optional<at::Tensor> const& dlse_in, at::Tensor 
 void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at::Tensor const& k_in,
                 at::Tensor const& v_in, at::Tensor const& out_in, at::Tensor const& lse, at::Tensor const& dlse, at::Tensor const& dq,
                 at::Tensor const& dk, at::Tensor const& dv, Varlen const& varlen, double softmax_scale,
-                ScoreOptions const& opts, bool deterministic) {
+                ScoreOptions const& opts, bool deterministic, Documents const& docs = {}) {
   bool const is_varlen = varlen.cu_seqlens_q != nullptr;
   int const nheads = q_in.size(2), head_dim = q_in.size(3), head_dim_v = v_in.size(3), nheads_k = k_in.size(2);
   at::Tensor q = tma_ready(q_in), k = tma_ready(k_in), v = tma_ready(v_in);
@@ -453,6 +477,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   p.softmax_scale = float(softmax_scale);
   p.softcap = opts.softcap;
   p.window_left = opts.window_left, p.window_right = opts.window_right;
+  p.doc_start = docs.start, p.doc_end = docs.end;
   p.dq_semaphore = dq_semaphore.defined() ? dq_semaphore.data_ptr<int>() : nullptr;
   p.dkv_semaphore = dkv_semaphore.defined() ? dkv_semaphore.data_ptr<int>() : nullptr;
 
@@ -469,9 +494,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
                                                    at::Tensor const& out_in, at::Tensor const& lse,
                                                    std::optional<at::Tensor> const& dlse_in, double softmax_scale,
                                                    bool causal, int64_t window_left, int64_t window_right,
-                                                   double softcap, bool deterministic) {
+                                                   double softcap, bool deterministic,
+                                                   std::optional<at::Tensor> const& doc_bounds) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
+  Documents const docs = check_documents(doc_bounds, q_in, k_in);
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim_v = v_in.size(3);
   check_qkv(out_in, "out", q_in, head_dim_v);
   check_qkv(dout_in, "dout", q_in, head_dim_v);
@@ -495,7 +522,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
   at::Tensor dq = at::empty(q_in.sizes(), q_in.options());
   at::Tensor dk = at::empty(k_in.sizes(), k_in.options());
   at::Tensor dv = at::empty(v_in.sizes(), v_in.options());
-  launch_bwd(run, dout_in, q_in, k_in, v_in, out_in, lse, dlse, dq, dk, dv, Varlen{}, softmax_scale, opts, deterministic);
+  launch_bwd(run, dout_in, q_in, k_in, v_in, out_in, lse, dlse, dq, dk, dv, Varlen{}, softmax_scale, opts, deterministic,
+             docs);
   return {dq, dk, dv};
 }
 
@@ -548,12 +576,14 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using FwdOpSig = std::tuple<at::Tensor, at::Tensor>(at::Tensor const&, at::Tensor const&, at::Tensor const&, double,
-                                                    bool, int64_t, int64_t, double, bool);
+                                                    bool, int64_t, int64_t, double, bool,
+                                                    std::optional<at::Tensor> const&);
 using BwdOpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::Tensor const&, at::Tensor const&,
                                                                 at::Tensor const&, at::Tensor const&,
                                                                 at::Tensor const&, at::Tensor const&,
                                                                 std::optional<at::Tensor> const&, double, bool,
-                                                                int64_t, int64_t, double, bool);
+                                                                int64_t, int64_t, double, bool,
+                                                                std::optional<at::Tensor> const&);
 using FwdVarlenOpSig = std::tuple<at::Tensor, at::Tensor>(at::Tensor const&, at::Tensor const&, at::Tensor const&,
                                                           at::Tensor const&, at::Tensor const&, int64_t, int64_t,
                                                           double, bool, int64_t, int64_t, double, bool);
@@ -618,11 +648,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> output_grads(variable_list cons
 struct AttentionAutograd : public torch::autograd::Function<AttentionAutograd> {
   static variable_list forward(AutogradContext* ctx, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                               double softcap, bool deterministic) {
+                               double softcap, bool deterministic, std::optional<at::Tensor> const& doc_bounds) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = fwd_op()
-                          .call(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic);
-    ctx->save_for_backward({q, k, v, out, lse});
+    auto [out, lse] = fwd_op().call(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                    deterministic, doc_bounds);
+    ctx->save_for_backward({q, k, v, out, lse, doc_bounds.value_or(at::Tensor())});
     ScoreArgs{softmax_scale, causal, window_left, window_right, softcap, deterministic}.save(ctx);
     ctx->set_materialize_grads(false);
     return {out, lse};
@@ -634,8 +664,10 @@ struct AttentionAutograd : public torch::autograd::Function<AttentionAutograd> {
     ScoreArgs const a = ScoreArgs::load(ctx);
     auto [dq, dk, dv] = bwd_op()
                             .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dlse, a.softmax_scale,
-                                  a.causal, a.window_left, a.window_right, a.softcap, a.deterministic);
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                  a.causal, a.window_left, a.window_right, a.softcap, a.deterministic,
+                                  saved[5].defined() ? std::optional<at::Tensor>(saved[5]) : std::nullopt);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -692,9 +724,10 @@ struct NoDoubleBackward : public torch::autograd::Function<NoDoubleBackward> {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
     at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
     at::Tensor const& lse, std::optional<at::Tensor> const& dlse, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
+    int64_t window_left, int64_t window_right, double softcap, bool deterministic,
+    std::optional<at::Tensor> const& doc_bounds) {
   auto g = NoDoubleBackward::apply(&bwd_op(), dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left,
-                                   window_right, softcap, deterministic);
+                                   window_right, softcap, deterministic, doc_bounds);
   return {g[0], g[1], g[2]};
 }
 
@@ -711,9 +744,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_autograd(
 
 std::tuple<at::Tensor, at::Tensor> fwd_autograd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                                 double softmax_scale, bool causal, int64_t window_left,
-                                                int64_t window_right, double softcap, bool deterministic) {
+                                                int64_t window_right, double softcap, bool deterministic,
+                                                std::optional<at::Tensor> const& doc_bounds) {
   auto outs = AttentionAutograd::apply(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                       deterministic);
+                                       deterministic, doc_bounds);
   return {outs[0], outs[1]};
 }
 
@@ -732,11 +766,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_autograd(at::Tensor const& q, at::
 TORCH_LIBRARY(flash_attn_hopper, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, int window_right,"
-      " float softcap, bool deterministic) -> (Tensor out, Tensor lse)");
+      " float softcap, bool deterministic, Tensor? doc_bounds=None) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, float softmax_scale,"
-      " bool causal, int window_left, int window_right, float softcap, bool deterministic)"
-      " -> (Tensor dq, Tensor dk, Tensor dv)");
+      " bool causal, int window_left, int window_right, float softcap, bool deterministic,"
+      " Tensor? doc_bounds=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q,"
       " int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap,"

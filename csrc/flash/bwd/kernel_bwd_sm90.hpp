@@ -117,6 +117,8 @@ struct BwdTraitsBase {
     // with x = S_raw, or x = tanh(S_raw * softcap_pre) under a softcap.
     float score_scale_log2, softcap_pre;
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
+    int const* doc_start;           // documents (dense self-attention): (batch, seqlen_q) int32 each; else null
+    int const* doc_end;
   };
 };
 
@@ -327,8 +329,7 @@ template <class Traits>
 CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo const& info, int bidh, int m_block,
                             int n_block, int& turn) {
   int n_block_min, n_block_max;
-  Window<Traits::kBlockM, Traits::kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}
-      .n_block_range(m_block, n_block_min, n_block_max);
+  make_window<Traits::kBlockM, Traits::kBlockN>(params, info).n_block_range(m_block, n_block_min, n_block_max);
   // Key blocks past the grid (a max_seqlen_k below a sequence's length, trusted under torch.compile) never run: count
   // turns among the launched ones, so that a wrong maximum drops their sums, as in the default mode, but never hangs.
   turn = min(n_block_max, int(gridDim.x)) - 1 - n_block;
@@ -519,7 +520,7 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
   // (key, row) of each Sᵀ element this thread holds.
   Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  Window<kBlockM, kBlockN> const window{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
+  Window<kBlockM, kBlockN> const window = make_window<kBlockM, kBlockN>(params, info);
   int interior_lo, interior_hi;
   window.interior_m_blocks(n_block, interior_lo, interior_hi);
   int const warpgroup = mma_tidx / cutlass::NumThreadsPerWarpGroup;
@@ -672,7 +673,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kDQCols = Traits::kDQCols;
   Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQCols>>{}));
-  Window<kBlockM, kBlockN> const window{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
+  Window<kBlockM, kBlockN> const window = make_window<kBlockM, kBlockN>(params, info);
   int interior_lo, interior_hi;
   window.interior_m_blocks(n_block, interior_lo, interior_hi);
 
@@ -826,8 +827,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   __syncthreads();
 
   int m_block_min, m_block_max;
-  Window<Traits::kBlockM, Traits::kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}
-      .m_block_range(n_block, m_block_min, m_block_max);
+  make_window<Traits::kBlockM, Traits::kBlockN>(params, info).m_block_range(n_block, m_block_min, m_block_max);
 
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();

@@ -1,6 +1,11 @@
 // Masking of S tiles and the ranges of blocks a tile must visit, for one rule that covers causal, sliding-window and
 // sequence-length bounds (DESIGN.md §2): query row i sees key j iff 0 <= j < seqlen_k and
-//   i + offset - window_left <= j <= i + offset + window_right,   offset = seqlen_k - seqlen_q (bottom-right).
+//   i + offset - window_left <= j <= i + offset + window_right,   offset = seqlen_k - seqlen_q (bottom-right),
+// and, with documents (packed sequences in one row; self-attention, seqlen_q == seqlen_k), doc_start[i] <= j <
+// doc_end[i]: the first position of row i's document and one past its last. Membership is symmetric (j is in i's
+// document iff i is in j's), so the key side uses the same arrays; both are nondecreasing and every row is in its own
+// document and window, so the rows of a block see one contiguous run of keys (and the keys of a block one run of
+// rows): the block ranges below are exact hulls, the same tiles from either side.
 // The host passes an unbounded side as a value no distance can exceed (kernel_window), so there is one code path;
 // causal is (unbounded, 0). The sums below reach seqlen_q + seqlen_k + 2 * kWindowHeadroom: within int for the
 // API's limit of fewer than 2^30 - kWindowHeadroom rows per tensor.
@@ -9,6 +14,7 @@
 #include <cute/tensor.hpp>
 
 #include "flash/common/block_range.hpp"
+#include "flash/common/seqlen.hpp"
 #include "flash/common/utils.hpp"
 
 namespace flash {
@@ -19,8 +25,14 @@ template <int kBlockM, int kBlockN>
 struct Window {
   int seqlen_q, seqlen_k;
   int window_left, window_right;  // >= 0
+  int const* doc_start = nullptr;  // this batch element's (seqlen_q) document bounds; null: no documents
+  int const* doc_end = nullptr;
 
   CUTLASS_DEVICE int offset() const { return seqlen_k - seqlen_q; }
+  CUTLASS_DEVICE bool documents() const { return doc_start != nullptr; }
+  // Document bounds of position i, clamped into the row (rows past seqlen_q are padding whose results are dropped).
+  CUTLASS_DEVICE int doc_lo(int i) const { return __ldg(doc_start + max(min(i, seqlen_q - 1), 0)); }
+  CUTLASS_DEVICE int doc_hi(int i) const { return __ldg(doc_end + max(min(i, seqlen_q - 1), 0)); }
 
   // Key blocks [n_block_min, n_block_max) holding at least one key visible to some row of query block m_block. The
   // host's key_block_range (flash/common/block_range.hpp) is the same sums; the kernels keep this form, the one
@@ -28,8 +40,12 @@ struct Window {
   CUTLASS_DEVICE void n_block_range(int m_block, int& n_block_min, int& n_block_max) const {
     int const first_row = m_block * kBlockM;
     int const last_row = cute::min(first_row + kBlockM, seqlen_q) - 1;
-    int const lo = cute::max(first_row + offset() - window_left, 0);             // first visible key of any row
-    int const hi = cute::min(last_row + offset() + window_right + 1, seqlen_k);  // one past the last one
+    int lo = cute::max(first_row + offset() - window_left, 0);             // first visible key of any row
+    int hi = cute::min(last_row + offset() + window_right + 1, seqlen_k);  // one past the last one
+    if (documents()) {
+      lo = cute::max(lo, doc_lo(first_row));
+      hi = cute::min(hi, doc_hi(last_row));
+    }
     n_block_min = lo / kBlockN;
     n_block_max = hi <= lo ? n_block_min : cute::ceil_div(hi, kBlockN);
   }
@@ -38,8 +54,12 @@ struct Window {
   CUTLASS_DEVICE void m_block_range(int n_block, int& m_block_min, int& m_block_max) const {
     int const first_key = n_block * kBlockN;
     int const last_key = min(first_key + kBlockN, seqlen_k) - 1;
-    int const lo = max(first_key - offset() - window_right, 0);             // first row that sees some key
-    int const hi = min(last_key - offset() + window_left + 1, seqlen_q);    // one past the last such row
+    int lo = max(first_key - offset() - window_right, 0);             // first row that sees some key
+    int hi = min(last_key - offset() + window_left + 1, seqlen_q);    // one past the last such row
+    if (documents()) {
+      lo = max(lo, doc_lo(first_key));
+      hi = min(hi, doc_hi(last_key));
+    }
     m_block_min = lo / kBlockM;
     m_block_max = hi <= lo ? m_block_min : cute::ceil_div(hi, kBlockM);
   }
@@ -52,12 +72,20 @@ struct Window {
     int const first_row = m_block * kBlockM, last_row = first_row + kBlockM - 1;
     lo = cute::ceil_div(max(last_row + offset() - window_left, 0), kBlockN);          // first_col >= left edge
     hi = max(min(first_row + offset() + window_right + 1, seqlen_k), 0) / kBlockN;   // last_col <= right edge
+    if (documents()) {  // the last row's document starts latest, the first row's ends first
+      lo = max(lo, cute::ceil_div(doc_lo(last_row), kBlockN));
+      hi = min(hi, doc_hi(first_row) / kBlockN);
+    }
   }
   // Query blocks [lo, hi) interior for key block n_block:
   CUTLASS_DEVICE void interior_m_blocks(int n_block, int& lo, int& hi) const {
     int const first_col = n_block * kBlockN, last_col = first_col + kBlockN - 1;
     lo = cute::ceil_div(max(last_col - offset() - window_right, 0), kBlockM);
     hi = last_col >= seqlen_k ? 0 : max(first_col - offset() + window_left + 1, 0) / kBlockM;
+    if (documents()) {
+      lo = max(lo, cute::ceil_div(doc_lo(last_col), kBlockM));
+      hi = min(hi, doc_hi(first_col) / kBlockM);
+    }
   }
 
   // Tile-local key limits [lo, hi) of query row `row` (global index) in key block n_block.
@@ -65,6 +93,21 @@ struct Window {
     int const base = row + offset() - n_block * kBlockN;
     lo = base - window_left;
     hi = min(base + window_right + 1, seqlen_k - n_block * kBlockN);
+    if (documents()) {
+      lo = max(lo, doc_lo(row) - n_block * kBlockN);
+      hi = min(hi, doc_hi(row) - n_block * kBlockN);
+    }
+  }
+
+  // Tile-local row limits [lo, hi) of the rows that see key `key` (global index) in query block m_block.
+  CUTLASS_DEVICE void row_limits(int key, int m_block, int& lo, int& hi) const {
+    int const base = key - offset() - m_block * kBlockM;
+    lo = base - window_right;
+    hi = key < seqlen_k ? base + window_left + 1 : 0;
+    if (documents()) {
+      lo = max(lo, doc_lo(key) - m_block * kBlockM);
+      hi = min(hi, doc_hi(key) - m_block * kBlockM);
+    }
   }
 
   // tSrS: the S accumulator; tScS: the same partition of an identity tensor (row, col within the tile).
@@ -84,17 +127,36 @@ struct Window {
     }
   }
 
-  // The same for a transposed tile: tStS holds Sᵀ, tStC the (key, row) coordinates within the tile.
+  // The same for a transposed tile: tStS holds Sᵀ, tStC the (key, row) coordinates within the tile; limits per key
+  // (a thread holds few keys and many rows).
   template <class TensorS, class TensorC>
   CUTLASS_DEVICE void apply_transposed(TensorS& tStS, TensorC const& tStC, int m_block, int n_block) const {
+    Tensor s = make_tensor(tStS.data(), acc_rowcol(tStS.layout()));  // (keys, rows)
+    Tensor c = make_tensor(tStC.data(), acc_rowcol(tStC.layout()));
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tStS); ++i) {
-      int const key = get<0>(tStC(i));
+    for (int r = 0; r < size<0>(s); ++r) {
       int lo, hi;
-      key_limits(m_block * kBlockM + get<1>(tStC(i)), n_block, lo, hi);
-      if (key < lo || key >= hi) { tStS(i) = -INFINITY; }
+      row_limits(n_block * kBlockN + get<0>(c(r, 0)), m_block, lo, hi);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        int const row = get<1>(c(r, j));
+        if (row < lo || row >= hi) { s(r, j) = -INFINITY; }
+      }
     }
   }
 };
+
+// The window of one (dense or varlen) batch element from a kernel's Params (window_left/right as kernel_window gives
+// them; doc_start/doc_end: null, or (batch, seqlen_q) int32 arrays of a dense batch).
+template <int kBlockM, int kBlockN, class Params>
+CUTLASS_DEVICE Window<kBlockM, kBlockN> make_window(Params const& params, SeqlenInfo const& info) {
+  Window<kBlockM, kBlockN> w{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
+  if (params.doc_start != nullptr) {
+    int64_t const row0 = int64_t(info.batch_idx) * info.seqlen_q;
+    w.doc_start = params.doc_start + row0;
+    w.doc_end = params.doc_end + row0;
+  }
+  return w;
+}
 
 }  // namespace flash

@@ -118,6 +118,8 @@ struct FwdKernelTraits {
     // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and score_scale = c.
     float score_scale, score_scale_log2, softcap_pre;
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
+    int const* doc_start;           // documents (dense self-attention): (batch, seqlen_q) int32 each; else null
+    int const* doc_end;
     bool pingpong;
     // Tiles (m_block, head, batch), numbered head-major with m_block descending (decode_tile). A CTA starts at tile
     // blockIdx.x and, when tile_counter is set (persistent launch, gridDim.x CTAs), takes further tiles from that
@@ -139,8 +141,7 @@ struct FwdKernelTraits {
                           head_batch / params.nheads);
     n_block_min = n_block_max = 0;
     if (m_block * kBlockM < info.seqlen_q) {
-      Window<kBlockM, kBlockN>{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right}.n_block_range(
-          m_block, n_block_min, n_block_max);
+      make_window<kBlockM, kBlockN>(params, info).n_block_range(m_block, n_block_min, n_block_max);
     }
     return info;
   }
@@ -233,7 +234,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
   OnlineSoftmax<kRows> softmax(params.score_scale_log2);
-  Window<kBlockM, kBlockN> const window{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
+  Window<kBlockM, kBlockN> const window = make_window<kBlockM, kBlockN>(params, info);
   int interior_lo, interior_hi;
   window.interior_n_blocks(m_block, interior_lo, interior_hi);
   // Raw S -> the scores the softmax sees: softcap (before the mask, so masked scores stay -inf), then the mask on

@@ -78,6 +78,8 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       scales.softcap_pre,
       window_left,
       window_right,
+      p.doc_start,
+      p.doc_end,
       p.pingpong,
       num_m_blocks,
       int(num_tiles),
