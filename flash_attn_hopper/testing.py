@@ -29,7 +29,15 @@ def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=No
     return visible
 
 
-def _scores(q, k, scale, causal, window_size, softcap):
+def document_mask(document_ids):
+    """Boolean (batch, seqlen, seqlen), True where positions i and j lie in one run of equal consecutive ids (one
+    document of ``flash_attn_hopper.attention``'s document_ids)."""
+    ids = document_ids.long()
+    run = torch.cat([torch.zeros_like(ids[:, :1]), (ids[:, 1:] != ids[:, :-1]).long()], dim=1).cumsum(1)
+    return run.unsqueeze(2) == run.unsqueeze(1)
+
+
+def _scores(q, k, scale, causal, window_size, softcap, document_ids=None):
     """Masked scores (batch, nheads, seqlen_q, seqlen_k): scale * Q Kᵀ, soft-capped, -inf outside the mask."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if softcap > 0:
@@ -37,6 +45,8 @@ def _scores(q, k, scale, causal, window_size, softcap):
     if causal or tuple(window_size) != (-1, -1):
         mask = local_mask(q.shape[1], k.shape[1], window_size, causal, device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
+    if document_ids is not None:
+        scores = scores.masked_fill(~document_mask(document_ids.to(q.device)).unsqueeze(1), float("-inf"))
     return scores
 
 
@@ -47,7 +57,8 @@ def repeat_kv(k, nheads):
     return k if nheads_k == nheads else k.repeat_interleave(nheads // nheads_k, dim=2)
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0):
+def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0,
+                  document_ids=None):
     """Plain attention in the layout of flash_attn_hopper.attention.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k, head_dim), nheads_k dividing
@@ -55,7 +66,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
     v's).
     upcast=True computes in float32 (float64 inputs stay float64); upcast=False computes in the input dtype,
     the naive same-precision reference whose error sets the tolerance.
-    window_size and softcap as ``flash_attn_hopper.attention`` (scores ``softcap * tanh(S / softcap)``, then the mask).
+    window_size, softcap and document_ids as ``flash_attn_hopper.attention`` (scores ``softcap * tanh(S / softcap)``,
+    then the mask).
     Returns (out in the compute dtype, lse float32 (batch, nheads, seqlen_q)). A row that sees no key gets
     output 0 and LSE -inf.
     """
@@ -64,7 +76,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
     head_dim = q.shape[-1]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    scores = _scores(q, k, scale, causal, window_size, softcap)
+    scores = _scores(q, k, scale, causal, window_size, softcap, document_ids)
     fscores = scores if scores.dtype == torch.float64 else scores.float()
     empty = torch.isneginf(fscores).all(dim=-1)
     # logsumexp of an all -inf row is -inf with a NaN gradient; such rows get LSE -inf and no gradient through it.
@@ -113,7 +125,8 @@ def assert_close_by_rule(out, ref, ref_naive, name, floor=None):
 
 
 def attention_ref_grads(
-    q, k, v, dout, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0, dlse=None
+    q, k, v, dout, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0, dlse=None,
+    document_ids=None,
 ):
     """(dq, dk, dv) of ``attention_ref`` by torch autograd, for the output gradient ``dout``.
 
@@ -128,7 +141,8 @@ def attention_ref_grads(
     leaves = [t.detach().to(compute).requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
         out, lse = attention_ref(
-            *leaves, softmax_scale=softmax_scale, causal=causal, upcast=upcast, window_size=window_size, softcap=softcap
+            *leaves, softmax_scale=softmax_scale, causal=causal, upcast=upcast, window_size=window_size, softcap=softcap,
+            document_ids=document_ids,
         )
         outputs, grads = [out], [dout.to(out.dtype)]
         if dlse is not None:

@@ -69,9 +69,10 @@ def spy(monkeypatch):
     """Replaces the kernel entry point; records its calls. With ``spy.fail`` set (the default) a call fails."""
     calls = []
 
-    def fake_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0):
+    def fake_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0,
+                       document_ids=None):
         calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                          softcap=softcap))
+                          softcap=softcap, document_ids=document_ids))
         if fake_attention.fail:
             raise _KernelReached("the kernel entry point was reached")
         return torch.zeros_like(q)
@@ -93,10 +94,11 @@ def allow_float32(monkeypatch):
 def reference_kernel(monkeypatch, allow_float32):
     """Replaces the kernel entry point with the differentiable float32 reference of the same contract."""
 
-    def ref_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0):
+    def ref_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0,
+                      document_ids=None):
         assert q.dtype == k.dtype == v.dtype
         out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                               softcap=softcap)
+                               softcap=softcap, document_ids=document_ids)
         return out.to(q.dtype)
 
     def ref_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
@@ -423,26 +425,18 @@ def test_model_all_ones_mask_is_dropped(fah_tf, spy, allow_float32):
 
 
 @requires_transformers
-def test_model_packed_rows_raise(fah_tf, spy, allow_float32):
-    """Packed sequences in a batch of two rows: not representable (the varlen path takes one row)."""
-    model = _model(_tiny_config(), NAME)
-    ids = torch.randint(0, 97, (2, 16))
-    position_ids = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0).expand(2, -1)
-    with pytest.raises(ValueError, match="packed sequences"):
-        model(input_ids=ids, position_ids=position_ids, use_cache=False)
-    assert not spy.calls
-
-
-@requires_transformers
-@pytest.mark.parametrize("how", ["position_ids", "position_ids_with_cache", "flash_kwargs"])
+@pytest.mark.parametrize("how", ["position_ids", "position_ids_with_cache", "flash_kwargs", "two_rows"])
 def test_model_packed_sequences_match_sdpa_with_reference_kernel(fah_tf, reference_kernel, how):
-    """One row of three packed sequences (10, 13 and 10 tokens), as DataCollatorWithFlattening gives them: logits,
-    loss and gradients equal SDPA's on the same packed input (transformers builds SDPA a block-diagonal mask from the
-    position ids), so each sequence attends only to itself. With a DynamicCache transformers does not look for packing;
-    the integration finds it in position_ids. With the collator's flash-attention keyword arguments, those are used."""
+    """Rows of packed sequences (10, 13 and 10 tokens; with two rows, the second packed 20 + 13), as
+    DataCollatorWithFlattening gives them: logits, loss and gradients equal SDPA's on the same packed input
+    (transformers builds SDPA a block-diagonal mask from the position ids), so each sequence attends only to itself.
+    The integration takes the documents from position_ids (also with a DynamicCache, where transformers does not look);
+    with the collator's flash-attention keyword arguments, those are used."""
     lengths = [10, 13, 10]
-    ids = torch.randint(0, 97, (1, sum(lengths)))
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    if how == "two_rows":
+        position_ids = torch.cat([position_ids, torch.cat([torch.arange(20), torch.arange(13)]).unsqueeze(0)])
+    ids = torch.randint(0, 97, position_ids.shape)
     ours, sdpa = _same_weights(_tiny_config())
     extra = {}
     if how == "flash_kwargs":
@@ -479,18 +473,33 @@ def test_partial_or_batched_flash_kwargs_raise(fah_tf, spy):
 
 
 @requires_transformers
-@pytest.mark.parametrize("how", ["cache", "ones_mask"], ids=["use_cache", "all_ones_mask"])
-def test_model_packed_position_ids_raise_where_transformers_does_not_detect_them(fah_tf, spy, allow_float32, how):
-    """transformers looks for packed sequences only without a cache and without a mask; the integration checks the
-    position ids itself (once, at layer 0), so packing never reaches the kernel."""
+@pytest.mark.parametrize("how", ["cache", "ones_mask", "no_cache"], ids=["use_cache", "all_ones_mask", "plain"])
+def test_model_packed_position_ids_reach_the_kernel_as_documents(fah_tf, spy, allow_float32, how):
+    """Packed position ids become document_ids for the kernel, in every layer, the same tensor (its bounds are computed
+    once per forward), also where transformers does not look for packing (a cache, an all-ones mask)."""
+    spy.fail = False
     model = _model(_tiny_config(), NAME)
     ids = torch.randint(0, 97, (2, 16))
     position_ids = torch.cat([torch.arange(10), torch.arange(6)]).unsqueeze(0).expand(2, -1)
-    kwargs = dict(use_cache=True) if how == "cache" else dict(attention_mask=torch.ones(2, 16, dtype=torch.long),
-                                                              use_cache=False)
-    with pytest.raises(ValueError, match="position_ids restart inside a row"):
-        model(input_ids=ids, position_ids=position_ids, **kwargs)
-    assert not spy.calls
+    kwargs = dict(use_cache=True) if how == "cache" else dict(use_cache=False)
+    if how == "ones_mask":
+        kwargs["attention_mask"] = torch.ones(2, 16, dtype=torch.long)
+    model(input_ids=ids, position_ids=position_ids, **kwargs)
+    assert len(spy.calls) == 2  # one per layer
+    documents = spy.calls[0]["document_ids"]
+    assert documents is spy.calls[1]["document_ids"]
+    assert documents.shape == (2, 16)
+    assert documents[0, :10].unique().numel() == 1 and documents[0, 10:].unique().numel() == 1
+    assert documents[0, 9] != documents[0, 10] and torch.equal(documents[0], documents[1])
+
+
+@requires_transformers
+def test_decoding_against_a_cache_takes_no_documents(fah_tf, spy):
+    """One query against cached keys: position_ids do not describe the rows (as in transformers, no packing there)."""
+    spy.fail = False
+    q, k, v = _qkv(batch=2, seqlen_q=1, seqlen_k=9)
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, position_ids=torch.tensor([[8], [8]]))
+    assert spy.calls[0]["document_ids"] is None
 
 
 @requires_transformers
@@ -500,28 +509,35 @@ def test_model_counting_position_ids_pass_with_cache(fah_tf, spy, allow_float32)
     ids = torch.randint(0, 97, (2, 16))
     model(input_ids=ids, position_ids=torch.arange(16).unsqueeze(0).expand(2, -1), use_cache=True)
     assert len(spy.calls) == 2  # one per layer
+    assert spy.calls[0]["document_ids"].unique().numel() == 1  # one document per row
 
 
 @requires_transformers
-def test_register_wraps_the_packing_finder_once(fah_tf):
+def test_register_wraps_the_mask_preprocessing_once(fah_tf):
+    """For this name only, transformers' mask preprocessing runs without position_ids (its packed-sequence check reads
+    the device); for another name it is unchanged."""
     from transformers import masking_utils
 
     fah_tf.register()
     fah_tf.register()
-    wrapped = masking_utils.find_packed_sequence_indices
+    wrapped = masking_utils._preprocess_mask_arguments
     assert wrapped._flash_attn_hopper_wrapper
     assert not getattr(wrapped.__wrapped__, "_flash_attn_hopper_wrapper", False)
     packed = torch.cat([torch.arange(3), torch.arange(2)]).unsqueeze(0)
-    assert torch.equal(wrapped(packed), wrapped.__wrapped__(packed))
-    assert wrapped(torch.arange(5).unsqueeze(0)) is None
+    embeds = torch.zeros(1, 5, 8)
+    for name, expect_packed in ((NAME, False), ("sdpa", True)):
+        config = _tiny_config()
+        config._attn_implementation = name
+        result = wrapped(config, embeds, None, None, packed, 0)
+        assert (result[2] is not None) == expect_packed, name
 
 
 @requires_transformers
-@pytest.mark.parametrize("how", ["generated", "given_one_row", "given_two_rows"])
-def test_model_counting_position_ids_are_read_once_per_forward(fah_tf, spy, allow_float32, monkeypatch, how):
-    """transformers' mask builder reads the position ids from the device once per forward to look for packing; when it
-    finds none, the attention layers must not read them again (an extra host synchronization per step in a training
-    loop). Counted: Tensor.any, which the integration's own check would call."""
+@pytest.mark.parametrize("how", ["generated", "given_one_row", "given_two_rows", "packed"])
+def test_model_forward_reads_nothing_from_the_device(fah_tf, spy, allow_float32, monkeypatch, how):
+    """No host read of position ids in a forward (a host synchronization per step in a training loop): transformers'
+    packed-sequence check is skipped for this name and the layers derive documents on the device. Counted: the Tensor
+    methods that return host values."""
     spy.fail = False
     model = _model(_tiny_config(), NAME)
     ids = torch.randint(0, 97, (2, 16))
@@ -530,30 +546,31 @@ def test_model_counting_position_ids_are_read_once_per_forward(fah_tf, spy, allo
         kwargs["position_ids"] = torch.arange(16).unsqueeze(0)
     elif how == "given_two_rows":
         kwargs["position_ids"] = torch.arange(16).unsqueeze(0).repeat(2, 1)
+    elif how == "packed":
+        kwargs["position_ids"] = torch.cat([torch.arange(5), torch.arange(11)]).unsqueeze(0).repeat(2, 1)
     calls = []
-    original_any = torch.Tensor.any
+    for method in ("any", "all", "item", "tolist", "__bool__", "nonzero"):
+        original = getattr(torch.Tensor, method)
 
-    def counting_any(self, *args, **kw):
-        calls.append(self.shape)
-        return original_any(self, *args, **kw)
+        def counting(self, *args, _original=original, _method=method, **kw):
+            calls.append((_method, tuple(self.shape)))
+            return _original(self, *args, **kw)
 
-    monkeypatch.setattr(torch.Tensor, "any", counting_any)
+        monkeypatch.setattr(torch.Tensor, method, counting)
     model(input_ids=ids, use_cache=False, **kwargs)
     assert len(spy.calls) == 2  # both layers reached the kernel
     assert calls == []
 
 
 @requires_transformers
-def test_position_ids_written_after_the_mask_check_are_read_again(fah_tf):
-    """The note left by the mask builder holds only while the tensor is unchanged (version counter)."""
-    from transformers import masking_utils
-
+def test_documents_are_recomputed_after_position_ids_change(fah_tf):
+    """The documents kept per position_ids tensor hold only while it is unchanged (version counter)."""
+    q, k, _ = _qkv(batch=1, seqlen_q=8)
     position_ids = torch.arange(8).unsqueeze(0)
-    assert masking_utils.find_packed_sequence_indices(position_ids.expand(2, -1)) is None
-    assert fah_tf._restarts(position_ids) is None
+    assert fah_tf._documents(position_ids, q, k).unique().numel() == 1
+    assert fah_tf._documents(position_ids, q, k) is fah_tf._documents(position_ids, q, k)
     position_ids[0, 4:] = torch.arange(4)  # now two packed sequences of 4
-    cu, _, longest, _ = fah_tf._restarts(position_ids)
-    assert cu.tolist() == [0, 4, 8] and longest == 4
+    assert fah_tf._documents(position_ids, q, k).tolist() == [[0] * 4 + [1] * 4]
 
 
 @requires_transformers

@@ -25,8 +25,9 @@ What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, 
 ``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim a multiple
 of 8 up to 256 (value's may differ from query's and key's), padded batches (a 2D attention_mask: left or right
 padding, run through ``attention_varlen``; not under torch.compile's fullgraph, which cannot trace the mask's host
-read), packed sequences in one row (DataCollatorWithFlattening: from position_ids or its flash-attention keyword
-arguments, run by
+read), packed sequences (DataCollatorWithFlattening, any batch size): from position_ids, as per-position document
+bounds computed on the device (no host synchronization, also under torch.compile; transformers' own packed-sequence
+check, a device read every forward, is skipped for this name), or from its flash-attention keyword arguments (run by
 ``attention_varlen``), a DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in
 transformers' flash-attention path).
 Everything else raises a Python exception, naming what is unsupported, before any kernel runs.
@@ -111,12 +112,13 @@ def flash_attn_hopper_attention_forward(
             (W - 1, 0), or (W - 1, W - 1) when not causal. softcap: attention logit soft-capping (Gemma 2).
         kwargs: ``cu_seq_lens_q/k`` and ``max_length_q/k`` (all four, as DataCollatorWithFlattening's
             ``return_flash_attn_kwargs=True`` gives them, batch 1): the packed sequences run through
-            ``flash_attn_hopper.attention_varlen``. Otherwise ``position_ids`` of a single row that restart (packed
-            sequences, as DataCollatorWithFlattening gives them) are turned into cu_seqlens the same way (no device
-            read when transformers' mask builder found them counting up by one in this forward; else one per
-            position_ids tensor, shared by the layers). Not while torch.compile traces: there packed
-            sequences go undetected unless the flash-attention keyword arguments are passed
-            (``return_flash_attn_kwargs=True``), and each sequence would attend to the ones before it. ``s_aux`` and
+            ``flash_attn_hopper.attention_varlen``. Otherwise, without an attention_mask and with as many keys as
+            queries, ``position_ids`` ``(batch or 1, seqlen)`` split each row into documents wherever they do not count
+            up by one (packed sequences, as DataCollatorWithFlattening gives them; transformers' rule), passed to the
+            kernel as ``document_ids``: computed on the device once per position_ids tensor (shared by the layers),
+            with no host read, also under torch.compile. Rows that count up by one are one document (the plain
+            causal kernel, plus a bounds read per tile). Against cached keys (decoding) position_ids are not used,
+            as in transformers. ``s_aux`` and
             ``position_bias`` must be None. ``output_attentions=True`` is ignored with a warning (no attention weights
             are formed). Other keyword arguments (``use_cache``, ...) are ignored.
 
@@ -126,8 +128,8 @@ def flash_attn_hopper_attention_forward(
 
     Raises:
         ValueError: ``attention_mask`` is not None and not the 2D boolean padding mask described above;
-            ``dropout`` is not 0; packed sequences in a batch of more than one row, or against a cache; a partial
-            set of ``cu_seq_lens_*`` / ``max_length_*``; and, from ``flash_attn_hopper.attention``, bad shapes,
+            ``dropout`` is not 0; a partial set of ``cu_seq_lens_*`` / ``max_length_*``, or them with a batch of more
+            than one row; and, from ``flash_attn_hopper.attention``, bad shapes,
             head_dim not a multiple of 8 in [8, 256], tensors not on an sm90 CUDA device.
         NotImplementedError: attention sinks (``s_aux``), a position bias.
         TypeError: a dtype other than float16/bfloat16 outside autocast (for example a float32 model: load it with
@@ -160,6 +162,8 @@ def flash_attn_hopper_attention_forward(
                 f"{_where(module)}: {name} is not supported by flash_attn_hopper yet (got {name} != None)"
             )
     packed = None if attention_mask is not None else _packed_sequences(module, query, key, kwargs)
+    documents = None if attention_mask is not None or packed is not None else _documents(
+        kwargs.get("position_ids"), query, key)
     if kwargs.get("output_attentions", False):
         transformers.utils.logging.get_logger(__name__).warning_once(
             "flash_attn_hopper attention does not form attention weights; `output_attentions=True` returns None "
@@ -196,7 +200,7 @@ def flash_attn_hopper_attention_forward(
         return attn_output.unsqueeze(0), None
     if attention_mask is not None:
         return _padded_attention(attention_mask, query, key, value, options), None
-    return _interface.attention(query, key, value, **options), None
+    return _interface.attention(query, key, value, document_ids=documents, **options), None
 
 
 def _is_padding_mask(attention_mask, query, key):
@@ -250,10 +254,8 @@ def _padded_attention(attention_mask, query, key, value, options):
 
 
 def _packed_sequences(module, query, key, kwargs):
-    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) when the batch is one row of packed sequences, else
-    None. From transformers' flash-attention keyword arguments when given; otherwise from position_ids that restart
-    inside the row (without this the kernel would let each packed sequence attend to the ones before it). Packing in a
-    batch of several rows, or against cached keys, raises ValueError."""
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) from transformers' flash-attention keyword arguments
+    (one row of packed sequences) when given, else None."""
     given = {name: kwargs.get(name) for name in _VARLEN_KWARGS}
     if any(v is not None for v in given.values()):
         missing = [name for name, v in given.items() if v is None]
@@ -264,97 +266,56 @@ def _packed_sequences(module, query, key, kwargs):
         max_q, max_k = (int(v) for v in (given["max_length_q"], given["max_length_k"]))
         cu_q, cu_k = (t.to(device=query.device, dtype=torch.int32) for t in (given["cu_seq_lens_q"], given["cu_seq_lens_k"]))
         return cu_q, cu_k, max_q, max_k
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None or position_ids.shape[-1] < 2 or torch.compiler.is_compiling():
+    return None
+
+
+# position_ids tensors -> (batch, document_ids for that batch). The layers of one forward pass the same tensor, so the
+# ids (and the kernels' bounds, cached by flash_attn_hopper.interface per ids tensor) are computed once per forward.
+_DOCUMENTS = _ValueNotes()
+
+
+def _documents(position_ids, query, key):
+    """document_ids (batch, seqlen) for ``flash_attn_hopper.attention`` from position_ids, on the device with no host
+    read: a new document wherever the position does not count up by one (transformers' rule, as in its
+    ``find_packed_sequence_indices``). None when position_ids do not describe the self-attention rows (a cache of
+    earlier keys, other shapes): there the kernel runs the causal/window rule alone, as transformers does."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
         return None
-    starts = _restarts(position_ids)
-    if starts is None:
+    batch, seqlen = query.shape[0], query.shape[2]
+    if key.shape[2] != seqlen or position_ids.shape[1] != seqlen or position_ids.shape[0] not in (1, batch):
         return None
-    if not starts or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
-        where = (f"in a batch of {query.shape[0]} rows" if not starts or query.shape[0] != 1
-                 else f"against {key.shape[2] - query.shape[2]} cached positions")
-        raise ValueError(
-            f"{_where(module)}: position_ids restart inside a row, i.e. packed sequences, {where}; flash_attn_hopper "
-            "runs packed sequences as one row without a cache (as DataCollatorWithFlattening gives them). Pass one "
-            "row, one sequence per row, or use attn_implementation='sdpa' with a packed-sequence mask."
-        )
-    return starts
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        cached = _DOCUMENTS.get(position_ids)
+        if cached is not _ValueNotes.MISSING and cached[0] == batch:
+            return cached[1]
+    pos = position_ids.to(query.device)
+    restarts = (pos[:, 1:] != pos[:, :-1] + 1).to(torch.int32)
+    ids = torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).cumsum(1, dtype=torch.int32)
+    ids = ids.expand(batch, seqlen)
+    if not compiling:
+        _DOCUMENTS.put(position_ids, (batch, ids))
+    return ids
 
 
-# position_ids tensors already examined -> result of _restarts. The layers of one forward pass the same tensor, so the
-# device is read once per forward.
-_PACKING = _ValueNotes()
+def _without_packing_check(preprocess):
+    """Wraps transformers' ``masking_utils._preprocess_mask_arguments`` (checked: 5.17), which the model's mask builder
+    calls once per forward: for ``attn_implementation="flash_attn_hopper"`` it is called without position_ids, which it
+    reads only to look for packed sequences, through ``find_packed_sequence_indices``, a device read (a host
+    synchronization every forward, which stalls an eager training loop the GPU would otherwise run ahead of). The
+    attention layers find packed sequences in position_ids themselves, on the device (``_documents``). Other
+    attention implementations get the function unchanged."""
+    if getattr(preprocess, "_flash_attn_hopper_wrapper", False):
+        return preprocess
 
-
-# Rows of memory that transformers' mask builder found counting up by one: base tensor -> {(storage offset, length,
-# stride)}. Position ids that are views of one such row need no device read.
-_COUNTING_ROWS = _ValueNotes()
-
-
-def _row_signature(position_ids):
-    """(base tensor, (storage offset, length, stride)) when every row of position_ids is the same row of memory (one
-    row, or rows expanded from one with stride 0), else None."""
-    if position_ids.dim() < 1 or any(n != 1 and st != 0 for n, st in zip(position_ids.shape[:-1], position_ids.stride()[:-1])):
-        return None
-    base = position_ids._base if position_ids._base is not None else position_ids
-    return base, (position_ids.storage_offset(), position_ids.shape[-1], position_ids.stride(-1))
-
-
-def _restarts(position_ids):
-    """None if every row of position_ids counts up by one; else for a single row (cu_seqlens int32 on its device,
-    cu_seqlens again, longest, longest), sequences starting where the count restarts; () for several rows."""
-    cached = _PACKING.get(position_ids)
-    if cached is not _ValueNotes.MISSING:
-        return cached
-    signature = _row_signature(position_ids)
-    if signature is not None:
-        base, row = signature
-        rows = _COUNTING_ROWS.get(base)
-        if rows is not _ValueNotes.MISSING and row in rows:
-            return None  # transformers' mask builder has read these values in this forward
-    restart = position_ids[..., 1:] != position_ids[..., :-1] + 1
-    result = None
-    if bool(restart.any()):  # one device read
-        result = ()  # packed, but in several rows: the caller raises
-        if position_ids.shape[0] == 1:
-            starts = torch.cat([restart.new_ones(1), restart[0]]).nonzero().flatten().tolist()
-            bounds = starts + [position_ids.shape[-1]]
-            cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
-            longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-            result = (cu, cu, longest, longest)
-    _PACKING.put(position_ids, result)
-    return result
-
-
-def _note_find_packed_sequence_indices(find):
-    """Wraps transformers' ``masking_utils.find_packed_sequence_indices``, which the model's mask builder calls once per
-    forward on its position_ids (when there is no attention_mask and no cache) and which reads the device to return
-    None when every row counts up by one. Each None is recorded for that position_ids tensor (and the tensor it views:
-    the builder may pass an expanded view), so ``_restarts`` in the layers needs no second device read: an extra host
-    synchronization in every forward stalls an eager training loop that the GPU would otherwise run ahead of. The note
-    holds while the tensor's version counter is unchanged: writes that bypass it (through ``.data``, or a numpy array
-    sharing the memory) are not seen, as for the other caches of this module."""
-    if getattr(find, "_flash_attn_hopper_wrapper", False):
-        return find
-
-    def wrapper(position_ids, *args, **kwargs):
-        result = find(position_ids, *args, **kwargs)
-        if (result is None and isinstance(position_ids, torch.Tensor) and not position_ids.is_inference()
-                and not torch.compiler.is_compiling()):
-            _PACKING.put(position_ids, None)
-            signature = _row_signature(position_ids)
-            if signature is not None:  # the builder checked an expanded view of the layers' (1, seqlen) tensor
-                base, row = signature
-                rows = _COUNTING_ROWS.get(base)
-                if rows is _ValueNotes.MISSING:
-                    rows = set()
-                    _COUNTING_ROWS.put(base, rows)
-                rows.add(row)
-        return result
+    def wrapper(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args, **kwargs):
+        if getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            position_ids = None
+        return preprocess(config, inputs_embeds, attention_mask, past_key_values, position_ids, *args, **kwargs)
 
     wrapper._flash_attn_hopper_wrapper = True
-    wrapper.__wrapped__ = find
-    wrapper.__doc__ = find.__doc__
+    wrapper.__wrapped__ = preprocess
+    wrapper.__doc__ = preprocess.__doc__
     return wrapper
 
 
@@ -408,8 +369,10 @@ def flash_attn_hopper_mask(
     transformers composes a packed-sequence mask with every mask while tracing, the second because it needs a host
     value):
 
-    Packed sequences that transformers detects from position_ids (its ``packed_sequence_mask_function`` overlay) are
-    accepted on top of those patterns: the attention function runs them through the variable-length kernel.
+    Packed sequences: ``register()`` keeps transformers from looking for them for this name (the attention layers
+    take them from position_ids on the device); should its ``packed_sequence_mask_function`` overlay still arrive (a
+    model that calls the mask preprocessing by its own import), it is accepted on top of those patterns, as the layers
+    apply the same documents.
 
     Raises:
         ValueError: the mask pattern is not plain causal, bidirectional or sliding-window causal (a chunked pattern,
@@ -418,8 +381,8 @@ def flash_attn_hopper_mask(
             slots, which would be attended).
     """
     if not torch.compiler.is_compiling():
-        # Packed sequences detected by transformers: the attention function runs them through the varlen kernel
-        # (from position_ids), so only the pattern under the packing overlay must be one the kernel computes.
+        # Packed sequences: the attention layers apply them (document_ids from position_ids), so only the pattern
+        # under a packing overlay must be one the kernel computes.
         mask_function = _without_packed_overlay(mask_function)
         local_size = kwargs.get("local_size")
         sliding = local_size is not None and _is_sliding_causal(mask_function, local_size)
@@ -482,18 +445,17 @@ def register():
     ``set_attn_implementation`` of every model that dispatches through ``AttentionInterface`` (Llama, Mistral, Qwen2,
     ...). Registration is global to the process (transformers' class-level mappings). Call it again before building a
     model if the process has built a flash_attention_2/3 model since (see ``_skip_flash_kernel_lookup``). It also wraps
-    ``transformers.masking_utils.find_packed_sequence_indices`` (same results; it notes which position ids it found
-    counting up by one, so the attention layers do not read them from the device a second time per forward).
+    ``transformers.masking_utils._preprocess_mask_arguments`` so that, for this name only, the mask builder skips its
+    packed-sequence check (a host synchronization per forward); the attention layers take packed sequences from
+    position_ids on the device instead (``_without_packing_check``).
 
     Returns:
         the name, ``"flash_attn_hopper"``.
     """
     AttentionInterface.register(ATTN_IMPLEMENTATION, flash_attn_hopper_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attn_hopper_mask)
-    if hasattr(masking_utils, "find_packed_sequence_indices"):
-        masking_utils.find_packed_sequence_indices = _note_find_packed_sequence_indices(
-            masking_utils.find_packed_sequence_indices
-        )
+    if hasattr(masking_utils, "_preprocess_mask_arguments"):
+        masking_utils._preprocess_mask_arguments = _without_packing_check(masking_utils._preprocess_mask_arguments)
     _skip_flash_kernel_lookup()
     return ATTN_IMPLEMENTATION
 
