@@ -277,9 +277,8 @@ def attention(
                                                  document_ids)
     args = _CHECKED_CALLS.get(key) if key is not None else None
     if args is None:
-        args = _check_call(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, compiling)
-        if document_ids is not None:
-            _check_document_ids(document_ids, q, k)
+        args = _check_call(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, compiling,
+                           document_ids)
         if key is not None:
             if len(_CHECKED_CALLS) >= _CHECKED_CALLS_MAX:
                 _CHECKED_CALLS.clear()
@@ -291,7 +290,7 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _check_call(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, compiling):
+def _check_call(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, compiling, document_ids=None):
     """Every check of ``attention``'s arguments; returns the op's scalar arguments (softmax_scale, causal, window_left,
     window_right, softcap, deterministic)."""
     _check_tensor_args(q, k, v)
@@ -300,6 +299,8 @@ def _check_call(q, k, v, softmax_scale, causal, window_size, softcap, determinis
     window_left, window_right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap, softmax_scale)
     deterministic = _check_bool("deterministic", deterministic)
+    if document_ids is not None:
+        _check_document_ids(document_ids, q, k)
     _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
     _ops.require_extension()
     if not compiling:

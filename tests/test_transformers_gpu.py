@@ -219,13 +219,15 @@ def test_padded_batch_matches_sdpa(models):
     torch.testing.assert_close(a, b)
 
 
-def test_packed_sequences_match_sdpa(models):
-    """One row of packed sequences with restarting position ids (DataCollatorWithFlattening): runs through
-    attention_varlen; logits and gradients against SDPA's block-diagonal masked reference (math backend, fp32)."""
+@pytest.mark.parametrize("rows", [1, 2])
+def test_packed_sequences_match_sdpa(models, rows):
+    """Rows of packed sequences with restarting position ids (DataCollatorWithFlattening): the kernel takes them as
+    document_ids (made on the device); logits and gradients against SDPA's block-diagonal masked reference (math
+    backend, fp32)."""
     ours, sdpa, ref = models
-    lengths = [70, 1, 129, 56]
-    ids = torch.randint(0, VOCAB, (1, sum(lengths)), device="cuda")
-    position_ids = torch.cat([torch.arange(n, device="cuda") for n in lengths]).unsqueeze(0)
+    layouts = [[70, 1, 129, 56], [200, 56]][:rows]
+    ids = torch.randint(0, VOCAB, (rows, sum(layouts[0])), device="cuda")
+    position_ids = torch.stack([torch.cat([torch.arange(n, device="cuda") for n in lengths]) for lengths in layouts])
     logits, grads = _run(ours, ids, position_ids=position_ids)
     logits_sdpa, grads_sdpa = _run(sdpa, ids, position_ids=position_ids)
     logits_ref, grads_ref = _run(ref, ids, reference=True, position_ids=position_ids)

@@ -673,3 +673,48 @@ def test_checked_call_cache_never_skips_a_check(monkeypatch):
     with pytest.raises(TypeError, match="dtype"):
         attention(q.float(), k, v, causal=True, window_size=(16, 0), softcap=0.0)
     assert len(interface._CHECKED_CALLS) == 1
+
+
+# ------------------------------------------------------------------------------------------------- document_ids
+
+
+@pytest.mark.parametrize("bad", [[[0, 0, 1]], 1, "ids"], ids=["list", "int", "str"])
+def test_document_ids_not_a_tensor(bad):
+    q, k, v = _qkv(seqlen_k=SQ)
+    with pytest.raises(TypeError, match=r"^document_ids must be a torch\.Tensor or None, got " + type(bad).__name__):
+        attention(q, k, v, document_ids=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool, torch.complex64])
+def test_document_ids_dtype(dtype):
+    q, k, v = _qkv(seqlen_k=SQ)
+    with pytest.raises(TypeError, match=r"^document_ids must have an integer dtype.*got " + re.escape(str(dtype))):
+        attention(q, k, v, document_ids=torch.zeros(B, SQ, dtype=dtype))
+
+
+@pytest.mark.parametrize("shape", [(B,), (B, SQ + 1), (B + 1, SQ), (1, SQ), (B, SQ, 1)])
+def test_document_ids_shape(shape):
+    q, k, v = _qkv(seqlen_k=SQ)
+    with pytest.raises(ValueError, match=rf"^document_ids must have shape \(batch, seqlen\) = \({B}, {SQ}\), got"):
+        attention(q, k, v, document_ids=torch.zeros(shape, dtype=torch.int64))
+
+
+def test_document_ids_need_self_attention_lengths():
+    q, k, v = _qkv()  # seqlen_q 5, seqlen_k 7
+    with pytest.raises(ValueError, match=rf"^document_ids packs documents for self-attention: seqlen_q \({SQ}\) must "
+                                         rf"equal seqlen_k \({SK}\)"):
+        attention(q, k, v, document_ids=torch.zeros(B, SQ, dtype=torch.int32))
+
+
+def test_document_ids_device():
+    q, k, v = _qkv(seqlen_k=SQ)
+    with pytest.raises(ValueError, match=r"^document_ids is on meta but q is on cpu"):
+        attention(q, k, v, document_ids=torch.zeros(B, SQ, dtype=torch.int32, device="meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8])
+def test_good_document_ids_pass_their_checks(dtype):
+    """Valid document_ids of every integer dtype pass; the call then stops at the device check (CPU tensors)."""
+    q, k, v = _qkv(seqlen_k=SQ)
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'"):
+        attention(q, k, v, document_ids=torch.tensor([[0, 0, 1, 1, 1], [3, 3, 3, 3, 3]], dtype=dtype))
