@@ -362,12 +362,12 @@ _DOCUMENT_BOUNDS = None  # a _ValueNotes, made below
 
 
 def document_bounds(document_ids):
-    """The kernels' form of ``document_ids`` (batch, seqlen): an int32 ``(2, batch, seqlen)`` tensor of, per position,
+    """The kernels' form of ``document_ids`` (batch, seqlen): an int32 ``(batch, seqlen, 2)`` tensor of, per position,
     the first position of its document and one past the last (runs of equal consecutive ids). Device work only."""
     batch, seqlen = document_ids.shape
     device = document_ids.device
     if seqlen == 0:
-        return torch.empty((2, batch, 0), dtype=torch.int32, device=device)
+        return torch.empty((batch, 0, 2), dtype=torch.int32, device=device)
     starts = torch.cat([torch.ones((batch, 1), dtype=torch.bool, device=device),
                         document_ids[:, 1:] != document_ids[:, :-1]], dim=1)
     pos = torch.arange(seqlen, dtype=torch.int32, device=device).expand(batch, seqlen)
@@ -375,7 +375,7 @@ def document_bounds(document_ids):
     next_start = torch.where(starts, pos, seqlen)[:, 1:]  # doc_end[i]: the first start after i, else seqlen
     doc_end = torch.cat([next_start.flip(1).cummin(dim=1).values.flip(1),
                          torch.full((batch, 1), seqlen, dtype=torch.int32, device=device)], dim=1)
-    return torch.stack([doc_start, doc_end]).to(torch.int32).contiguous()
+    return torch.stack([doc_start, doc_end], dim=-1).to(torch.int32).contiguous()
 
 
 def _document_bounds(document_ids, compiling):

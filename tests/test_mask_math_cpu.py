@@ -244,11 +244,11 @@ def test_document_bounds_of_the_python_layer():
 
     rows = [_documents(lengths) for lengths in ([3, 4, 3, 1, 1], [12], [1] * 12, [5, 7])]
     got = torch_bounds(torch.tensor(rows))
-    assert got.dtype == torch.int32 and got.shape == (2, 4, 12) and got.is_contiguous()
+    assert got.dtype == torch.int32 and got.shape == (4, 12, 2) and got.is_contiguous()
     for b, ids in enumerate(rows):
         start, end = document_bounds(ids)
-        assert got[0, b].tolist() == start and got[1, b].tolist() == end
-    assert torch_bounds(torch.zeros((3, 0), dtype=torch.int64)).shape == (2, 3, 0)
+        assert got[b, :, 0].tolist() == start and got[b, :, 1].tolist() == end
+    assert torch_bounds(torch.zeros((3, 0), dtype=torch.int64)).shape == (3, 0, 2)
 
 
 def test_kernel_window_clamps_unbounded_and_wide_sides():

@@ -277,11 +277,10 @@ Varlen check_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& 
 
 // Documents of a dense batch (packed sequences in each row): the kernels' per-position bounds, or nulls.
 struct Documents {
-  int const* start = nullptr;
-  int const* end = nullptr;
+  int const* bounds = nullptr;
 };
 
-// doc_bounds: None, or the int32 (2, batch, seqlen) [doc_start; doc_end] tensor that flash_attn_hopper's Python layer
+// doc_bounds: None, or the int32 (batch, seqlen, 2) [doc_start, doc_end] tensor that flash_attn_hopper's Python layer
 // derives from document_ids (interface._document_bounds). Its values are trusted: the kernels clamp every index they
 // read into the row, so bad values cannot make them read out of bounds.
 Documents check_documents(std::optional<at::Tensor> const& doc_bounds, at::Tensor const& q, at::Tensor const& k) {
@@ -290,10 +289,9 @@ Documents check_documents(std::optional<at::Tensor> const& doc_bounds, at::Tenso
   TORCH_CHECK(q.size(1) == k.size(1), "documents need self-attention lengths: seqlen_q ", q.size(1),
               " != seqlen_k ", k.size(1));
   TORCH_CHECK(b.is_cuda() && b.device() == q.device() && b.scalar_type() == at::kInt && b.is_contiguous() &&
-                  b.dim() == 3 && b.size(0) == 2 && b.size(1) == q.size(0) && b.size(2) == q.size(1),
-              "doc_bounds must be a contiguous int32 (2, batch, seqlen) tensor on q's device");
-  int const* start = b.data_ptr<int>();
-  return {start, start + q.size(0) * q.size(1)};
+                  b.dim() == 3 && b.size(0) == q.size(0) && b.size(1) == q.size(1) && b.size(2) == 2,
+              "doc_bounds must be a contiguous int32 (batch, seqlen, 2) tensor on q's device");
+  return {b.data_ptr<int>()};
 }
 
 // Forward of checked (batch, rows, nheads, head_dim) views into out (same layout, 3-D for varlen) and lse.
@@ -326,7 +324,7 @@ void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::T
   p.softmax_scale = float(softmax_scale);
   p.softcap = opts.softcap;
   p.window_left = opts.window_left, p.window_right = opts.window_right;
-  p.doc_start = docs.start, p.doc_end = docs.end;
+  p.doc_bounds = docs.bounds;
   p.pingpong = fwd_pingpong();
   p.num_sms = num_sms(q);
   at::Tensor tile_counter;
@@ -477,7 +475,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   p.softmax_scale = float(softmax_scale);
   p.softcap = opts.softcap;
   p.window_left = opts.window_left, p.window_right = opts.window_right;
-  p.doc_start = docs.start, p.doc_end = docs.end;
+  p.doc_bounds = docs.bounds;
   p.dq_semaphore = dq_semaphore.defined() ? dq_semaphore.data_ptr<int>() : nullptr;
   p.dkv_semaphore = dkv_semaphore.defined() ? dkv_semaphore.data_ptr<int>() : nullptr;
 

@@ -42,10 +42,10 @@ struct FwdParams {
   // Row i sees key j iff i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right
   // (bottom-right aligned); -1: that side unbounded. Causal is (-1, 0).
   int window_left, window_right;
-  // Documents (dense batches with seqlen_q == seqlen_k; else null): row i sees only keys j with doc_start[i] <= j <
-  // doc_end[i], (batch, seqlen_q) int32 contiguous each, nondecreasing along a row, doc_start[i] <= i < doc_end[i].
-  int const* doc_start;
-  int const* doc_end;
+  // Documents (dense batches with seqlen_q == seqlen_k; else null): (batch, seqlen_q, 2) int32 contiguous, per
+  // position i [doc_start[i], doc_end[i]): row i sees only keys j in it. Both nondecreasing along a row, and
+  // doc_start[i] <= i < doc_end[i].
+  int const* doc_bounds;
   bool pingpong;  // consumer warpgroups take turns issuing GEMMs (named barriers)
   // Persistent launch: num_sms CTAs take (m_block, head, batch) tiles from this zeroed int32 counter. Null: one CTA
   // per tile.
@@ -104,8 +104,7 @@ struct BwdParams {
   float softmax_scale;  // as FwdParams
   float softcap;
   int window_left, window_right;
-  int const* doc_start;  // as FwdParams
-  int const* doc_end;
+  int const* doc_bounds;  // as FwdParams
   // Deterministic mode (else null): zeroed int32 counters, one per 64 rows of the dQ workspace for dQ and, with GQA,
   // one per (batch, K/V head, 64-key block) for dK/dV, ordering the cross-CTA sums.
   int* dq_semaphore;

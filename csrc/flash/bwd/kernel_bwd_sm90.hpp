@@ -117,8 +117,7 @@ struct BwdTraitsBase {
     // with x = S_raw, or x = tanh(S_raw * softcap_pre) under a softcap.
     float score_scale_log2, softcap_pre;
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
-    int const* doc_start;           // documents (dense self-attention): (batch, seqlen_q) int32 each; else null
-    int const* doc_end;
+    int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
   };
 };
 

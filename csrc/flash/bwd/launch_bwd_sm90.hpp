@@ -119,8 +119,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       scales.softcap_pre,
       window_left,
       window_right,
-      p.doc_start,
-      p.doc_end,
+      p.doc_bounds,
   };
   // Softcap and deterministic mode are template arguments: either one's code in the loop (softcap's registers; the
   // memory fences of deterministic mode, which turn every fire-and-forget dQ reduction into a waited-for atomic)

@@ -25,14 +25,15 @@ template <int kBlockM, int kBlockN>
 struct Window {
   int seqlen_q, seqlen_k;
   int window_left, window_right;  // >= 0
-  int const* doc_start = nullptr;  // this batch element's (seqlen_q) document bounds; null: no documents
-  int const* doc_end = nullptr;
+  int2 const* docs = nullptr;  // this batch element's (doc_start, doc_end) per position; null: no documents
 
   CUTLASS_DEVICE int offset() const { return seqlen_k - seqlen_q; }
-  CUTLASS_DEVICE bool documents() const { return doc_start != nullptr; }
-  // Document bounds of position i, clamped into the row (rows past seqlen_q are padding whose results are dropped).
-  CUTLASS_DEVICE int doc_lo(int i) const { return __ldg(doc_start + max(min(i, seqlen_q - 1), 0)); }
-  CUTLASS_DEVICE int doc_hi(int i) const { return __ldg(doc_end + max(min(i, seqlen_q - 1), 0)); }
+  CUTLASS_DEVICE bool documents() const { return docs != nullptr; }
+  // Document bounds of position i (one 8-byte load), clamped into the row (rows past seqlen_q are padding whose
+  // results are dropped).
+  CUTLASS_DEVICE int2 doc(int i) const { return __ldg(docs + max(min(i, seqlen_q - 1), 0)); }
+  CUTLASS_DEVICE int doc_lo(int i) const { return doc(i).x; }
+  CUTLASS_DEVICE int doc_hi(int i) const { return doc(i).y; }
 
   // Key blocks [n_block_min, n_block_max) holding at least one key visible to some row of query block m_block. The
   // host's key_block_range (flash/common/block_range.hpp) is the same sums; the kernels keep this form, the one
@@ -94,8 +95,9 @@ struct Window {
     lo = base - window_left;
     hi = min(base + window_right + 1, seqlen_k - n_block * kBlockN);
     if (documents()) {
-      lo = max(lo, doc_lo(row) - n_block * kBlockN);
-      hi = min(hi, doc_hi(row) - n_block * kBlockN);
+      int2 const d = doc(row);
+      lo = max(lo, d.x - n_block * kBlockN);
+      hi = min(hi, d.y - n_block * kBlockN);
     }
   }
 
@@ -105,8 +107,9 @@ struct Window {
     lo = base - window_right;
     hi = key < seqlen_k ? base + window_left + 1 : 0;
     if (documents()) {
-      lo = max(lo, doc_lo(key) - m_block * kBlockM);
-      hi = min(hi, doc_hi(key) - m_block * kBlockM);
+      int2 const d = doc(key);
+      lo = max(lo, d.x - m_block * kBlockM);
+      hi = min(hi, d.y - m_block * kBlockM);
     }
   }
 
@@ -147,14 +150,12 @@ struct Window {
 };
 
 // The window of one (dense or varlen) batch element from a kernel's Params (window_left/right as kernel_window gives
-// them; doc_start/doc_end: null, or (batch, seqlen_q) int32 arrays of a dense batch).
+// them; doc_bounds: null, or the (batch, seqlen_q, 2) int32 [doc_start, doc_end] of a dense batch).
 template <int kBlockM, int kBlockN, class Params>
 CUTLASS_DEVICE Window<kBlockM, kBlockN> make_window(Params const& params, SeqlenInfo const& info) {
   Window<kBlockM, kBlockN> w{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
-  if (params.doc_start != nullptr) {
-    int64_t const row0 = int64_t(info.batch_idx) * info.seqlen_q;
-    w.doc_start = params.doc_start + row0;
-    w.doc_end = params.doc_end + row0;
+  if (params.doc_bounds != nullptr) {
+    w.docs = reinterpret_cast<int2 const*>(params.doc_bounds) + int64_t(info.batch_idx) * info.seqlen_q;
   }
   return w;
 }

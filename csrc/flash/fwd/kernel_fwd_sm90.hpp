@@ -118,8 +118,7 @@ struct FwdKernelTraits {
     // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and score_scale = c.
     float score_scale, score_scale_log2, softcap_pre;
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
-    int const* doc_start;           // documents (dense self-attention): (batch, seqlen_q) int32 each; else null
-    int const* doc_end;
+    int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
     bool pingpong;
     // Tiles (m_block, head, batch), numbered head-major with m_block descending (decode_tile). A CTA starts at tile
     // blockIdx.x and, when tile_counter is set (persistent launch, gridDim.x CTAs), takes further tiles from that
