@@ -32,6 +32,10 @@ template <>
 struct FwdTileConfig<64> {
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  // No documents (document_ids run on FwdTileConfig64Narrow): their bounds pointer added 8-16 B of spill to these
+  // already spilling consumers, and the non-causal forward at 4096 fell to 0.996x cuDNN from 1.036x (H200,
+  // 2026-11-30, session 8 runs 1 and 3, one run each).
+  static constexpr bool kDocuments = false;
 };
 
 // head_dim 64, 192 rows: three consumer warpgroups at 160 registers (producer 32), as FlashAttention-3 runs head_dim
@@ -53,6 +57,7 @@ struct FwdTileConfig<64> {
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kDocuments = true;
 };
 constexpr double kFwd64WideCostFull = 0.88;    // no causal mask or window
 constexpr double kFwd64WideCostMasked = 0.95;  // causal or windowed
@@ -61,12 +66,14 @@ template <>
 struct FwdTileConfig<128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kDocuments = true;
 };
 
 template <>
 struct FwdTileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
   static constexpr bool kIntraWGOverlap = false, kPersistent = false;
+  static constexpr bool kDocuments = true;
 };
 
 // Backward. kSwapSdP (head_dim <= 128): Sᵀ/dPᵀ per warpgroup of 64 keys, P and dS kept in registers for the

@@ -21,14 +21,16 @@ namespace flash {
 
 using namespace cute;
 
-template <int kBlockM, int kBlockN>
+template <int kBlockM, int kBlockN, bool kDocuments = true>  // kDocuments false: document bounds compiled out
 struct Window {
   int seqlen_q, seqlen_k;
   int window_left, window_right;  // >= 0
   int2 const* docs = nullptr;  // this batch element's (doc_start, doc_end) per position; null: no documents
 
   CUTLASS_DEVICE int offset() const { return seqlen_k - seqlen_q; }
-  CUTLASS_DEVICE bool documents() const { return docs != nullptr; }
+  CUTLASS_DEVICE bool documents() const {
+    if constexpr (kDocuments) { return docs != nullptr; } else { return false; }
+  }
   // Document bounds of position i (one 8-byte load), clamped into the row (rows past seqlen_q are padding whose
   // results are dropped).
   CUTLASS_DEVICE int2 doc(int i) const { return __ldg(docs + max(min(i, seqlen_q - 1), 0)); }
@@ -151,10 +153,10 @@ struct Window {
 
 // The window of one (dense or varlen) batch element from a kernel's Params (window_left/right as kernel_window gives
 // them; doc_bounds: null, or the (batch, seqlen_q, 2) int32 [doc_start, doc_end] of a dense batch).
-template <int kBlockM, int kBlockN, class Params>
-CUTLASS_DEVICE Window<kBlockM, kBlockN> make_window(Params const& params, SeqlenInfo const& info) {
-  Window<kBlockM, kBlockN> w{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
-  if (params.doc_bounds != nullptr) {
+template <int kBlockM, int kBlockN, bool kDocuments = true, class Params>
+CUTLASS_DEVICE Window<kBlockM, kBlockN, kDocuments> make_window(Params const& params, SeqlenInfo const& info) {
+  Window<kBlockM, kBlockN, kDocuments> w{info.seqlen_q, info.seqlen_k, params.window_left, params.window_right};
+  if (kDocuments && params.doc_bounds != nullptr) {
     w.docs = reinterpret_cast<int2 const*>(params.doc_bounds) + int64_t(info.batch_idx) * info.seqlen_q;
   }
   return w;

@@ -27,11 +27,12 @@ namespace flash {
 using namespace cute;
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIntraWGOverlap_,
-          bool kPersistent_>
+          bool kPersistent_, bool kDocuments_ = true>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kIntraWGOverlap = kIntraWGOverlap_;
   static constexpr bool kPersistent = kPersistent_;  // else one tile per CTA, the tile loop compiled out
+  static constexpr bool kDocuments = kDocuments_;    // else document bounds compiled out (doc_bounds must be null)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -140,7 +141,7 @@ struct FwdKernelTraits {
                           head_batch / params.nheads);
     n_block_min = n_block_max = 0;
     if (m_block * kBlockM < info.seqlen_q) {
-      make_window<kBlockM, kBlockN>(params, info).n_block_range(m_block, n_block_min, n_block_max);
+      make_window<kBlockM, kBlockN, kDocuments>(params, info).n_block_range(m_block, n_block_min, n_block_max);
     }
     return info;
   }
@@ -233,7 +234,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
   OnlineSoftmax<kRows> softmax(params.score_scale_log2);
-  Window<kBlockM, kBlockN> const window = make_window<kBlockM, kBlockN>(params, info);
+  auto const window = make_window<kBlockM, kBlockN, Traits::kDocuments>(params, info);
   int interior_lo, interior_hi;
   window.interior_n_blocks(m_block, interior_lo, interior_hi);
   // Raw S -> the scores the softmax sees: softcap (before the mask, so masked scores stay -inf), then the mask on

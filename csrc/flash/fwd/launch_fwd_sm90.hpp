@@ -20,7 +20,7 @@ namespace flash {
 template <class Element, int kHeadDim, class Cfg>
 cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap,
-                                 Cfg::kPersistent>;
+                                 Cfg::kPersistent, Cfg::kDocuments>;
   // Any head_dim that is a multiple of 8 (16-byte rows for TMA) up to the tile width: the columns past it are
   // zero-filled on load and never stored.
   // V (and O) may have their own head_dim_v (the kernel is the one of the larger): same rule.
@@ -28,6 +28,7 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
     if (d <= 0 || d > kHeadDim || d % 8 != 0) { return cudaErrorInvalidValue; }
   }
   if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || !(p.softcap >= 0.f)) { return cudaErrorInvalidValue; }
+  if (!Cfg::kDocuments && p.doc_bounds != nullptr) { return cudaErrorInvalidValue; }
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
   int const num_m_blocks = cute::ceil_div(p.seqlen_q, Traits::kBlockM);
   int64_t const num_tiles = int64_t(num_m_blocks) * p.nheads * p.batch;
@@ -96,11 +97,14 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// head_dim 64: 192 or 128 rows per tile (flash/fwd/tile_choice.hpp).
+// head_dim 64: 192 or 128 rows per tile (flash/fwd/tile_choice.hpp); documents always take the 128-row tiles (the
+// 192-row kernel is compiled without them, config.hpp).
 template <class Element>
 cudaError_t run_fwd_sm90_hdim64(FwdParams const& p, cudaStream_t stream) {
-  int const block_m = fwd_block_m_hdim64(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right,
-                                         int64_t(p.nheads) * p.batch, p.num_sms);
+  int const block_m = p.doc_bounds != nullptr ? FwdTileConfig64Narrow::kBlockM
+                                              : fwd_block_m_hdim64(p.seqlen_q, p.seqlen_k, p.window_left,
+                                                                   p.window_right, int64_t(p.nheads) * p.batch,
+                                                                   p.num_sms);
   return block_m == FwdTileConfig<64>::kBlockM ? run_fwd_sm90_cfg<Element, 64, FwdTileConfig<64>>(p, stream)
                                                : run_fwd_sm90_cfg<Element, 64, FwdTileConfig64Narrow>(p, stream);
 }
