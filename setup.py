@@ -65,7 +65,7 @@ def _extension():
     dtypes = _list_knob("FAH_DTYPES", ALL_DTYPES, str)
     cutlass = _cutlass_dir()
     std = _cxx_std()
-    sources = ["csrc/api/flash_api.cpp"] + [
+    sources = ["csrc/api/flash_api.cpp", "csrc/api/varlen_rows.cu"] + [
         f"csrc/instantiations/{direction}_hdim{h}_{d}_sm90.cu"
         for direction in ("fwd", "bwd")
         for h in hdims

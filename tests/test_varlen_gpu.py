@@ -166,6 +166,25 @@ def test_varlen_bad_cu_seqlens_raise():
         attention_varlen(q, k, v, good, good, 20, 20.0)
 
 
+@pytest.mark.parametrize("nheads_k", [4, 1], ids=["mha", "mqa"])
+def test_varlen_rows_outside_the_sequences(nheads_k):
+    """cu_seqlens starting past row 0 and ending before the last row, for queries and keys, with more uncovered rows
+    than one pass of the fill over them: those rows get out 0, LSE -inf and dQ, dK, dV 0, from NaN-poisoned memory
+    (the kernels write only the rows inside the sequences)."""
+    dtype = _built_dtype(128)
+    lq, lk = [33, 0, 150], [40, 12, 90]
+    lead_q, tail_q, lead_k, tail_k = 5, 1700, 2500, 3
+    q, k, v, dout = _inputs(lq, lk, 4, nheads_k, 128, dtype, extra_q=lead_q + tail_q, extra_k=lead_k + tail_k)
+    cu_q, cu_k = _cu(lq) + lead_q, _cu(lk) + lead_k
+    out, lse, (dq, dk, dv) = _run_and_check(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), "outside rows", causal=True)
+    end_q, end_k = lead_q + sum(lq), lead_k + sum(lk)
+    for name, t, rows in (("out", out, (lead_q, end_q)), ("dq", dq, (lead_q, end_q)), ("dk", dk, (lead_k, end_k)),
+                          ("dv", dv, (lead_k, end_k))):
+        outside = torch.cat([t[: rows[0]], t[rows[1]:]])
+        assert torch.equal(outside, torch.zeros_like(outside)), f"{name}: rows outside the sequences are not 0"
+    assert torch.isneginf(lse[:, :lead_q]).all() and torch.isneginf(lse[:, end_q:]).all()
+
+
 def test_varlen_rows_past_last_sequence_may_hold_nan():
     """A preallocated buffer with NaN in the rows past cu_seqlens[-1]: they belong to no sequence and reach no result
     (the last sequence's partial tile would otherwise load them); their outputs and gradients are 0 (LSE -inf)."""

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -22,6 +23,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "api/varlen_rows.hpp"
 #include "flash/config.hpp"
 #include "flash/fwd/tile_choice.hpp"
 #include "flash/dispatch.hpp"
@@ -252,6 +254,19 @@ at::Tensor zeroed(at::IntArrayRef sizes, at::TensorOptions const& options) {
 
 // Variable-length batches: the (batch + 1) int32 offsets on q's device, and the rows they cover (values are checked
 // in Python, where they can be read; here only what needs no device read).
+// Float -inf as bits, for fill_uncovered.
+constexpr uint32_t kNegInfBits = 0xff800000u;
+
+// flash::fill_uncovered_rows on a fresh contiguous (outer, rows, inner) tensor of 2- or 4-byte elements.
+void fill_uncovered(at::Tensor const& t, uint32_t value_bits, int64_t outer, int64_t rows, int64_t inner,
+                    int const* cu_seqlens, int batch, cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(t.is_contiguous() && t.numel() == outer * rows * inner);
+  cudaError_t const err = flash::fill_uncovered_rows(t.data_ptr(), int(t.element_size()), value_bits, outer, rows,
+                                                     inner, cu_seqlens, batch, stream);
+  TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper: filling rows outside the sequences failed: ",
+              cudaGetErrorString(err));
+}
+
 struct Varlen {
   int const* cu_seqlens_q = nullptr;
   int const* cu_seqlens_k = nullptr;
@@ -381,12 +396,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q_in, at::Tensor
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
-  // Zeroed / -inf first: rows past cu_seqlens_q[-1] belong to no sequence and are never written by the kernel.
-  at::Tensor out = at::zeros({q_in.size(0), q_in.size(1), v_in.size(2)}, q_in.options());
-  at::Tensor lse = at::full({q_in.size(1), q_in.size(0)}, -INFINITY, q_in.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({q_in.size(0), q_in.size(1), v_in.size(2)}, q_in.options());
+  at::Tensor lse = at::empty({q_in.size(1), q_in.size(0)}, q_in.options().dtype(at::kFloat));
   if (varlen.batch == 0 || out.numel() == 0 || k_in.size(0) == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
+    out.zero_();
+    lse.fill_(-INFINITY);
     return {out, lse};
   }
+  // Rows before cu_seqlens_q[0] or past cu_seqlens_q[-1] belong to no sequence: 0 and LSE -inf, written here;
+  // the kernel writes every other row.
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+  fill_uncovered(out, 0u, 1, q_in.size(0), q_in.size(1) * v_in.size(2), varlen.cu_seqlens_q, varlen.batch, stream);
+  fill_uncovered(lse, kNegInfBits, q_in.size(1), q_in.size(0), 1, varlen.cu_seqlens_q, varlen.batch, stream);
   launch_fwd(run, q, k, v, out, lse, varlen, softmax_scale, opts);
   return {out, lse};
 }
@@ -552,13 +573,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
-  // Zeroed first: rows no sequence covers are never written by the kernels.
-  at::Tensor dq = at::zeros(q_in.sizes(), q_in.options());
-  at::Tensor dk = at::zeros(k_in.sizes(), k_in.options());
-  at::Tensor dv = at::zeros(v_in.sizes(), v_in.options());
   if (varlen.batch == 0 || q_in.numel() == 0 || k_in.numel() == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
-    return {dq, dk, dv};
+    return {at::zeros(q_in.sizes(), q_in.options()), at::zeros(k_in.sizes(), k_in.options()),
+            at::zeros(v_in.sizes(), v_in.options())};
   }
+  at::Tensor dq = at::empty(q_in.sizes(), q_in.options());
+  at::Tensor dk = at::empty(k_in.sizes(), k_in.options());
+  at::Tensor dv = at::empty(v_in.sizes(), v_in.options());
+  // Rows no sequence covers get 0 here (the kernels write every row of every sequence, zeros where nothing
+  // reaches it).
+  cudaStream_t const stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+  int64_t const total_q = q_in.size(0), total_k = k_in.size(0);
+  fill_uncovered(dq, 0u, 1, total_q, q_in.size(1) * q_in.size(2), varlen.cu_seqlens_q, varlen.batch, stream);
+  fill_uncovered(dk, 0u, 1, total_k, k_in.size(1) * k_in.size(2), varlen.cu_seqlens_k, varlen.batch, stream);
+  fill_uncovered(dv, 0u, 1, total_k, v_in.size(1) * v_in.size(2), varlen.cu_seqlens_k, varlen.batch, stream);
   launch_bwd(run, dout, q, k, v, out, lse, dlse, dq, dk, dv, varlen, softmax_scale, opts, deterministic);
   return {dq, dk, dv};
 }

@@ -1,0 +1,51 @@
+// Rows that no variable-length sequence covers: [0, cu_seqlens[0]) and [cu_seqlens[batch], rows) of a freshly
+// allocated output or gradient. The attention kernels write every row inside [cu_seqlens[0], cu_seqlens[batch])
+// (zeros and LSE -inf for rows that see no key, dK = dV = 0 for keys no query sees), so only these rows need a
+// value; filling the whole tensor first cost 10 % of a varlen forward+backward at 16 sequences of 1024 (H200,
+// 2026-11-30, scripts/varlen_gap.py). The bounds are read on the device: no host synchronisation.
+#include "api/varlen_rows.hpp"
+
+#include <cstdint>
+
+namespace {
+
+// tensor: (outer, rows, inner) contiguous elements of `Word`; each uncovered row of each outer slice gets `value`.
+// The common case (every row covered) reads two ints per block and exits.
+template <class Word>
+__global__ void fill_uncovered_rows_kernel(Word* __restrict__ tensor, Word value, int64_t rows, int64_t inner,
+                                           int const* __restrict__ cu_seqlens, int batch) {
+  int64_t const lo = min(int64_t(max(cu_seqlens[0], 0)), rows);
+  int64_t const hi = max(min(int64_t(cu_seqlens[batch]), rows), lo);
+  int64_t const count = (lo + rows - hi) * inner;
+  Word* const slice = tensor + int64_t(blockIdx.y) * rows * inner;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < count; e += int64_t(gridDim.x) * blockDim.x) {
+    int64_t const r = e / inner;
+    int64_t const row = r < lo ? r : hi + (r - lo);
+    slice[row * inner + e % inner] = value;
+  }
+}
+
+}  // namespace
+
+namespace flash {
+
+cudaError_t fill_uncovered_rows(void* tensor, int word_bytes, uint32_t value_bits, int64_t outer, int64_t rows,
+                                int64_t inner, int const* cu_seqlens, int batch, cudaStream_t stream) {
+  if (outer <= 0 || rows <= 0 || inner <= 0) { return cudaSuccess; }
+  if (outer > 65535 || batch < 0) { return cudaErrorInvalidValue; }
+  // Enough blocks to stream a large uncovered range at full bandwidth; most calls find nothing to write.
+  dim3 const grid(unsigned(outer >= 264 ? 1 : 264 / outer), unsigned(outer));
+  constexpr int kThreads = 256;
+  if (word_bytes == 2) {
+    fill_uncovered_rows_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<uint16_t*>(tensor), uint16_t(value_bits), rows, inner, cu_seqlens, batch);
+  } else if (word_bytes == 4) {
+    fill_uncovered_rows_kernel<uint32_t><<<grid, kThreads, 0, stream>>>(
+        static_cast<uint32_t*>(tensor), value_bits, rows, inner, cu_seqlens, batch);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace flash

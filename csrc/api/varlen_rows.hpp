@@ -1,0 +1,15 @@
+// Host entry of csrc/api/varlen_rows.cu (compiled by nvcc, called from flash_api.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace flash {
+
+// Writes value_bits (a 2- or 4-byte word: 0 for zeros, 0xff800000 for float -inf) into the rows of a contiguous
+// (outer, rows, inner) tensor that lie before cu_seqlens[0] or at/after cu_seqlens[batch] (int32, on the device).
+cudaError_t fill_uncovered_rows(void* tensor, int word_bytes, uint32_t value_bits, int64_t outer, int64_t rows,
+                                int64_t inner, int const* cu_seqlens, int batch, cudaStream_t stream);
+
+}  // namespace flash
