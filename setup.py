@@ -1,7 +1,8 @@
 """Builds flash_attn_hopper._C: CUDA kernels for sm_90a on CUTLASS/CuTe, ops registered through TORCH_LIBRARY.
 
 Knobs (environment):
-  FAH_HDIMS=64,128,256   head dims to compile (default all); one for fast development builds
+  FAH_HDIMS=64,128,256   kernel widths to compile (default all: 64,96,128,192,256; 96 and 192 are forward-only,
+                         their backward runs on 128 and 256); one for fast development builds
   FAH_DTYPES=fp16,bf16   dtypes to compile (default both)
   CUTLASS_PATH=/path     CUTLASS source tree (default: the installed nvidia-cutlass wheel)
   MAX_JOBS=N             parallel compile jobs (torch's ninja builder)
@@ -12,7 +13,8 @@ import sys
 
 from setuptools import setup
 
-ALL_HDIMS = (64, 128, 256)
+ALL_HDIMS = (64, 96, 128, 192, 256)
+BWD_HDIMS = (64, 128, 256)  # 96 and 192 have forward kernels only
 ALL_DTYPES = ("fp16", "bf16")
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -70,6 +72,7 @@ def _extension():
         for direction in ("fwd", "bwd")
         for h in hdims
         for d in dtypes
+        if direction == "fwd" or h in BWD_HDIMS
     ]
     defines = [f"-DFAH_HDIM{h}" for h in hdims] + [f"-DFAH_{d.upper()}" for d in dtypes]
     include_dirs = [

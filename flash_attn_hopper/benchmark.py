@@ -788,8 +788,10 @@ class GpuRunner:
             # Head dims between the compiled sizes run on the next size up (e.g. 96 on 128: --head-dims 96,192
             # --hidden 1536); older packages without kernel_head_dim had the compiled sizes only.
             rounding = getattr(getattr(self.fah, "interface", None), "kernel_head_dim", None)
-            kernel = rounding(head_dim) if rounding is not None else head_dim
-            if kernel not in self.built["head_dims"]:
+            kernels = {head_dim} if rounding is None else {rounding(head_dim)}
+            if rounding is not None and hasattr(self.fah.interface, "BACKWARD_HEAD_DIMS"):
+                kernels.add(rounding(head_dim, backward=True))  # forward and backward widths differ since 96 / 192
+            if not kernels <= set(self.built["head_dims"]):
                 return f"head_dim {head_dim} not in this build (FAH_HDIMS: {self.built['head_dims']})"
             if self.dtype not in self.built["dtypes"]:
                 return f"dtype {self.args.dtype} not in this build"

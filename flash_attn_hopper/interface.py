@@ -11,8 +11,9 @@ from . import _ops
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Tile widths of the compiled kernels. Any head_dim that is a multiple of 8 up to 256 runs on the smallest of them that
 # holds it (kernel_head_dim); the padded columns are zeros on load and never stored. v's head_dim may differ from q's
-# and k's: the kernel is then the one of the larger.
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# and k's: the kernel is then the one of the larger. The backward has fewer widths (96 and 192 run on 128 and 256).
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+BACKWARD_HEAD_DIMS = (64, 128, 256)
 _HEAD_DIM_MULTIPLE = 8  # 16-byte rows (fp16/bf16), what TMA needs
 _MAX_GRID_YZ = 65535  # batch and nheads index grid dimensions y and z
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
@@ -21,12 +22,13 @@ _INT32_MAX = 2**31 - 1
 _MAX_SEQLEN = 2**30 - 256  # rows per tensor: the kernels' mask sums (seqlen_q + seqlen_k + 2 tiles) fit int32
 
 
-def kernel_head_dim(head_dim):
-    """The compiled kernel size that runs ``head_dim`` (the smallest of SUPPORTED_HEAD_DIMS >= head_dim), or None
-    when no kernel does (head_dim not a multiple of 8 in [8, 256])."""
+def kernel_head_dim(head_dim, backward=False):
+    """The compiled kernel size that runs ``head_dim`` in the forward (the smallest of SUPPORTED_HEAD_DIMS >=
+    head_dim) or, with backward=True, in the backward (of BACKWARD_HEAD_DIMS); None when no kernel does (head_dim not
+    a multiple of 8 in [8, 256])."""
     if head_dim <= 0 or head_dim % _HEAD_DIM_MULTIPLE != 0:
         return None
-    return next((d for d in SUPPORTED_HEAD_DIMS if head_dim <= d), None)
+    return next((d for d in (BACKWARD_HEAD_DIMS if backward else SUPPORTED_HEAD_DIMS) if head_dim <= d), None)
 
 
 def _check_tensor_args(q, k, v):
@@ -124,17 +126,20 @@ def _check_scale(softmax_scale, head_dim):
 
 
 def _check_compiled(head_dim, dtype, head_dim_v=None):
-    """head_dim: q's and k's; head_dim_v: v's (None: the same). The kernel of the larger must be in the build."""
+    """head_dim: q's and k's; head_dim_v: v's (None: the same). The forward and backward kernels of the larger must
+    be in the build."""
     head_dims, dtypes = _ops._compiled()
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    kernel = kernel_head_dim(max(head_dim, head_dim_v))
-    if kernel not in head_dims:
-        ran_by = "" if kernel == head_dim else f" (run by the head_dim {kernel} kernels)"
-        with_v = "" if head_dim_v == head_dim else f" and v head_dim {head_dim_v}"
-        raise ValueError(
-            f"q has head_dim {head_dim}{with_v}{ran_by}, which this build does not include (built with head_dims "
-            f"{list(head_dims)}; rebuild without FAH_HDIMS to get all)"
-        )
+    for backward in (False, True):
+        kernel = kernel_head_dim(max(head_dim, head_dim_v), backward=backward)
+        if kernel not in head_dims:
+            which = "backward" if backward else "forward"
+            ran_by = "" if kernel == head_dim else f" (run by the head_dim {kernel} {which} kernels)"
+            with_v = "" if head_dim_v == head_dim else f" and v head_dim {head_dim_v}"
+            raise ValueError(
+                f"q has head_dim {head_dim}{with_v}{ran_by}, which this build does not include (built with head_dims "
+                f"{list(head_dims)}; rebuild without FAH_HDIMS to get all)"
+            )
     if dtype not in dtypes:
         raise TypeError(
             f"q has dtype {dtype}, which this build does not include (built with {list(dtypes)}; rebuild without "
@@ -213,9 +218,9 @@ def attention(
             ``h // (nheads // nheads_k)``; dK and dV sum over the query heads of a group inside the kernel (fp32).
         v: ``(batch, seqlen_k, nheads_k, head_dim_v)``, same dtype and device as q; head_dim_v may differ from
             head_dim (e.g. 192 and 128 as in DeepSeek-V2/V3). head_dim and head_dim_v are any multiples of 8 from 8 to
-            256 (they run on the 64, 128 or 256 kernels, the smallest that holds the larger: the extra columns are
-            zeros that are never read from or written to the tensors, so the result is exactly that of the true
-            sizes); seqlen_q, seqlen_k >= 0 and may differ. Only the last dimension
+            256 (they run on the smallest kernel that holds the larger, forward 64/96/128/192/256 and backward
+            64/128/256: the extra columns are zeros that are never read from or written to the tensors, so the
+            result is exactly that of the true sizes); seqlen_q, seqlen_k >= 0 and may differ. Only the last dimension
             must be contiguous (stride 1); other strides are read in place (q, k, v may be slices of one packed
             tensor) when they are multiples of 16 bytes and the base is 16-byte aligned, otherwise the tensor
             is copied first.
@@ -255,7 +260,7 @@ def attention(
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is
-            not a multiple of 8 in [8, 256] (or the kernel size of the larger, 64/128/256, is not in this build);
+            not a multiple of 8 in [8, 256] (or the forward or backward kernel size of the larger is not in this build);
             the last dimension's stride is not 1; a tensor is not on a CUDA device, the tensors are on different
             devices, or the GPU is not sm90;
             softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right

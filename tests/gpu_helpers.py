@@ -10,11 +10,15 @@ from flash_attn_hopper.interface import kernel_head_dim
 DTYPES = [torch.float16, torch.bfloat16]
 
 
+def _kernels_built(head_dim, cfg):
+    return all(kernel_head_dim(head_dim, backward=b) in cfg["head_dims"] for b in (False, True))
+
+
 def require_built(head_dim, dtype):
-    """Skip unless this build compiles (head_dim, dtype); a head_dim between the kernel sizes needs the kernel that
-    runs it (interface.kernel_head_dim)."""
+    """Skip unless this build compiles (head_dim, dtype); a head_dim between the kernel sizes needs the forward and
+    backward kernels that run it (interface.kernel_head_dim)."""
     cfg = flash_attn_hopper.build_config()
-    if kernel_head_dim(head_dim) not in cfg["head_dims"] or dtype not in cfg["dtypes"]:
+    if not _kernels_built(head_dim, cfg) or dtype not in cfg["dtypes"]:
         pytest.skip(f"head_dim {head_dim} / {dtype} not in this build (FAH_HDIMS/FAH_DTYPES)")
 
 
@@ -22,7 +26,7 @@ def built_dtype(head_dim):
     """A dtype this build compiles for head_dim (fp16 preferred), else skip."""
     cfg = flash_attn_hopper.build_config()
     for dtype in DTYPES:
-        if kernel_head_dim(head_dim) in cfg["head_dims"] and dtype in cfg["dtypes"]:
+        if _kernels_built(head_dim, cfg) and dtype in cfg["dtypes"]:
             return dtype
     pytest.skip(f"head_dim {head_dim} not in this build (FAH_HDIMS/FAH_DTYPES)")
 
@@ -63,7 +67,7 @@ def poison_attention_memory(q, v):
     e = q.element_size()
     rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
     poison_allocator(q.numel() * e, batch * seqlen_q * nheads * v.shape[-1] * e, v.numel() * e,
-                     batch * nheads * seqlen_q * 4, rows * kernel_head_dim(max(head_dim, v.shape[-1])) * 4, rows * 4)
+                     batch * nheads * seqlen_q * 4, rows * kernel_head_dim(max(head_dim, v.shape[-1]), backward=True) * 4, rows * 4)
 
 
 def run_attention(q, k, v, dout, dlse=None, **opts):

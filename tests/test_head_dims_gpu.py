@@ -1,9 +1,9 @@
 """Head dims between the compiled kernel sizes (issue 5 item 5) on an sm90 GPU: every multiple of 8 up to 256 runs on
-the smallest of the 64/128/256 kernels that holds it, its extra columns loaded as zeros (TMA zero-fill) and never
-stored. Forward and backward against the float32 reference by the rule of DESIGN.md §3, with NaN-poisoned memory
-before each call; exactness against explicit zero padding; inputs that are slices of wider buffers and tensors
-followed by NaN canaries (a read past a tensor or its head_dim gives NaN; a write changes the canary). Skipped, with
-the reason, without an sm90 GPU and the built extension (see conftest.py)."""
+the smallest kernel that holds it (forward 64/96/128/192/256, backward 64/128/256), its extra columns loaded as zeros
+(TMA zero-fill) and never stored. Forward and backward against the float32 reference by the rule of DESIGN.md §3,
+with NaN-poisoned memory before each call; exactness against explicit zero padding; inputs that are slices of wider
+buffers and tensors followed by NaN canaries (a read past a tensor or its head_dim gives NaN; a write changes the
+canary). Skipped, with the reason, without an sm90 GPU and the built extension (see conftest.py)."""
 
 import math
 
@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
-# Below, between and at the kernel sizes' edges: 8..64 run on 64, 72..128 on 128, 136..256 on 256.
+# Below, between and at the kernel sizes' edges. Forward: 8..64 run on 64, 72..96 on 96, 104..128 on 128, 136..192 on
+# 192, 200..256 on 256; backward: 8..64 on 64, 72..128 on 128, 136..256 on 256.
 HEAD_DIMS = [8, 40, 72, 96, 104, 136, 192, 200, 248]
 SEQLENS = [(1, 1), (113, 257), (257, 113), (513, 700)]
 DEVICE = "cuda"

@@ -199,19 +199,23 @@ def test_head_dims_multiple_of_8_pass_the_checks(head_dim):
 
 
 @pytest.mark.parametrize(
-    "head_dim,kernel",
-    [(8, 64), (40, 64), (64, 64), (72, 128), (96, 128), (128, 128), (136, 256), (200, 256), (256, 256)]
-    + [(bad, None) for bad in (0, -8, 4, 12, 260, 264)],
+    "head_dim,kernel,backward_kernel",
+    [(8, 64, 64), (40, 64, 64), (64, 64, 64), (72, 96, 128), (96, 96, 128), (104, 128, 128), (128, 128, 128),
+     (136, 192, 256), (192, 192, 256), (200, 256, 256), (256, 256, 256)]
+    + [(bad, None, None) for bad in (0, -8, 4, 12, 260, 264)],
 )
-def test_kernel_head_dim_rounds_up(head_dim, kernel):
+def test_kernel_head_dim_rounds_up(head_dim, kernel, backward_kernel):
     assert interface.kernel_head_dim(head_dim) == kernel
+    assert interface.kernel_head_dim(head_dim, backward=True) == backward_kernel
 
 
-def test_kernel_head_dim_covers_every_multiple_of_8():
+@pytest.mark.parametrize("backward", [False, True])
+def test_kernel_head_dim_covers_every_multiple_of_8(backward):
+    sizes = interface.BACKWARD_HEAD_DIMS if backward else interface.SUPPORTED_HEAD_DIMS
     for head_dim in range(8, 257, 8):
-        kernel = interface.kernel_head_dim(head_dim)
-        assert kernel in interface.SUPPORTED_HEAD_DIMS and head_dim <= kernel
-        assert all(d < head_dim for d in interface.SUPPORTED_HEAD_DIMS if d < kernel)  # the smallest that holds it
+        kernel = interface.kernel_head_dim(head_dim, backward=backward)
+        assert kernel in sizes and head_dim <= kernel
+        assert all(d < head_dim for d in sizes if d < kernel)  # the smallest that holds it
 
 
 def test_default_softmax_scale_is_of_the_true_head_dim():
@@ -451,31 +455,41 @@ def test_check_compiled_names_head_dim_and_dtype(monkeypatch):
 
 
 def test_check_compiled_uses_the_larger_of_head_dim_and_head_dim_v(monkeypatch):
-    """With v's head_dim differing, the kernel is that of the larger one; the error names both."""
-    monkeypatch.setattr(_ops, "_compiled", lambda: ((128,), (torch.float16,)))
+    """With v's head_dim differing, the kernels are those of the larger one; the error names both."""
+    monkeypatch.setattr(_ops, "_compiled", lambda: ((96, 128), (torch.float16,)))
     for head_dim, head_dim_v in ((128, 64), (64, 128), (40, 72), (72, 72)):
         assert interface._check_compiled(head_dim, torch.float16, head_dim_v) is None
-    for head_dim, head_dim_v in ((192, 128), (128, 256)):
+    for head_dim, head_dim_v, ran_by in ((192, 128, ""), (128, 256, r" \(run by the head_dim 256 forward kernels\)")):
         with pytest.raises(
             ValueError,
-            match=rf"^q has head_dim {head_dim} and v head_dim {head_dim_v} \(run by the head_dim 256 kernels\), "
-            "which this build does not include",
+            match=rf"^q has head_dim {head_dim} and v head_dim {head_dim_v}{ran_by}, which this build does not include",
         ):
             interface._check_compiled(head_dim, torch.float16, head_dim_v)
 
 
+def test_check_compiled_needs_the_backward_kernel_too(monkeypatch):
+    """head_dim 96 runs forward on the 96-wide kernel and backward on the 128-wide one: both must be built."""
+    monkeypatch.setattr(_ops, "_compiled", lambda: ((96,), (torch.float16,)))
+    with pytest.raises(
+        ValueError,
+        match=r"^q has head_dim 96 \(run by the head_dim 128 backward kernels\), which this build does not include",
+    ):
+        interface._check_compiled(96, torch.float16)
+
+
 def test_check_compiled_uses_the_rounded_head_dim(monkeypatch):
     """A head_dim that runs on a larger kernel is in the build when that kernel size is; the error names both."""
-    monkeypatch.setattr(_ops, "_compiled", lambda: ((128,), (torch.float16,)))
+    monkeypatch.setattr(_ops, "_compiled", lambda: ((96, 128), (torch.float16,)))
     for head_dim in (72, 96, 120, 128):
         assert interface._check_compiled(head_dim, torch.float16) is None
-    for head_dim, kernel in ((40, 64), (8, 64), (136, 256), (248, 256)):
+    for head_dim, kernel in ((40, 64), (8, 64), (136, 192), (248, 256)):
         with pytest.raises(
             ValueError,
-            match=rf"^q has head_dim {head_dim} \(run by the head_dim {kernel} kernels\), which this build does not include",
+            match=rf"^q has head_dim {head_dim} \(run by the head_dim {kernel} forward kernels\), which this build does "
+            "not include",
         ) as info:
             interface._check_compiled(head_dim, torch.float16)
-        assert "[128]" in str(info.value)
+        assert "[96, 128]" in str(info.value)
 
 
 @pytest.mark.skipif(

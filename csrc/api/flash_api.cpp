@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -43,11 +44,17 @@ struct Kernels {
 // tiles of headroom (flash/common/mask.hpp), within int32 below this.
 constexpr int64_t kMaxRows = (int64_t(1) << 30) - flash::kWindowHeadroom;
 
-// The compiled tile width that runs a head_dim: the smallest of 64, 128, 256 that holds it (head_dim a multiple of 8
-// in [8, 256]; the kernels zero-fill the columns past it on load and never store them). 0: no kernel can.
+// The backward's tile width for a head_dim: the smallest of 64, 128, 256 that holds it (head_dim a multiple of 8 in
+// [8, 256]; the kernels zero-fill the columns past it on load and never store them). 0: no kernel can.
 int padded_head_dim(int64_t head_dim) {
   if (head_dim <= 0 || head_dim > 256 || head_dim % 8 != 0) { return 0; }
   return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+}
+
+// The forward's: the smallest of 64, 96, 128, 192, 256 that holds it (same rule).
+int fwd_padded_head_dim(int64_t head_dim) {
+  int const padded = padded_head_dim(head_dim);
+  return padded == 128 && head_dim <= 96 ? 96 : padded == 256 && head_dim <= 192 ? 192 : padded;
 }
 
 // The head_dim that picks the kernels: the larger of q/k's and v's (the tile width holds both; the narrower one's
@@ -56,31 +63,55 @@ int kernel_head_dim(at::Tensor const& q, at::Tensor const& v) { return int(std::
 
 Kernels select_kernels(int head_dim, at::ScalarType dtype) {
   bool const bf16 = dtype == at::kBFloat16;
-  int const padded = padded_head_dim(head_dim);
-#define FAH_CASE(HDIM, NAME, IS_BF16)                                                                       \
-  if (padded == HDIM && bf16 == IS_BF16) {                                                                  \
-    return Kernels{&flash::run_fwd_hdim##HDIM##_##NAME, &flash::run_bwd_hdim##HDIM##_##NAME};               \
-  }
-#if defined(FAH_HDIM64) && defined(FAH_FP16)
-  FAH_CASE(64, fp16, false)
+  int const fwd_padded = fwd_padded_head_dim(head_dim), bwd_padded = padded_head_dim(head_dim);
+  Kernels k;
+#define FAH_FWD_CASE(HDIM, NAME, IS_BF16) \
+  if (fwd_padded == HDIM && bf16 == IS_BF16) { k.fwd = &flash::run_fwd_hdim##HDIM##_##NAME; }
+#define FAH_BWD_CASE(HDIM, NAME, IS_BF16) \
+  if (bwd_padded == HDIM && bf16 == IS_BF16) { k.bwd = &flash::run_bwd_hdim##HDIM##_##NAME; }
+#if defined(FAH_FP16)
+#if defined(FAH_HDIM64)
+  FAH_FWD_CASE(64, fp16, false)
+  FAH_BWD_CASE(64, fp16, false)
 #endif
-#if defined(FAH_HDIM64) && defined(FAH_BF16)
-  FAH_CASE(64, bf16, true)
+#if defined(FAH_HDIM96)
+  FAH_FWD_CASE(96, fp16, false)
 #endif
-#if defined(FAH_HDIM128) && defined(FAH_FP16)
-  FAH_CASE(128, fp16, false)
+#if defined(FAH_HDIM128)
+  FAH_FWD_CASE(128, fp16, false)
+  FAH_BWD_CASE(128, fp16, false)
 #endif
-#if defined(FAH_HDIM128) && defined(FAH_BF16)
-  FAH_CASE(128, bf16, true)
+#if defined(FAH_HDIM192)
+  FAH_FWD_CASE(192, fp16, false)
 #endif
-#if defined(FAH_HDIM256) && defined(FAH_FP16)
-  FAH_CASE(256, fp16, false)
+#if defined(FAH_HDIM256)
+  FAH_FWD_CASE(256, fp16, false)
+  FAH_BWD_CASE(256, fp16, false)
 #endif
-#if defined(FAH_HDIM256) && defined(FAH_BF16)
-  FAH_CASE(256, bf16, true)
 #endif
-#undef FAH_CASE
-  return Kernels{};
+#if defined(FAH_BF16)
+#if defined(FAH_HDIM64)
+  FAH_FWD_CASE(64, bf16, true)
+  FAH_BWD_CASE(64, bf16, true)
+#endif
+#if defined(FAH_HDIM96)
+  FAH_FWD_CASE(96, bf16, true)
+#endif
+#if defined(FAH_HDIM128)
+  FAH_FWD_CASE(128, bf16, true)
+  FAH_BWD_CASE(128, bf16, true)
+#endif
+#if defined(FAH_HDIM192)
+  FAH_FWD_CASE(192, bf16, true)
+#endif
+#if defined(FAH_HDIM256)
+  FAH_FWD_CASE(256, bf16, true)
+  FAH_BWD_CASE(256, bf16, true)
+#endif
+#endif
+#undef FAH_FWD_CASE
+#undef FAH_BWD_CASE
+  return k;
 }
 
 // The forward's tile height (query rows per CTA tile) for a problem, as the launcher picks it
@@ -88,7 +119,7 @@ Kernels select_kernels(int head_dim, at::ScalarType dtype) {
 // num_sms: the GPU's SM count.
 int64_t fwd_block_m(int64_t head_dim, int64_t head_dim_v, int64_t batch, int64_t nheads, int64_t seqlen_q,
                     int64_t seqlen_k, bool causal, int64_t window_left, int64_t window_right, int64_t num_sms) {
-  int const padded = padded_head_dim(std::max(head_dim, head_dim_v));
+  int const padded = fwd_padded_head_dim(std::max(head_dim, head_dim_v));
   TORCH_CHECK(padded != 0 && padded_head_dim(std::min(head_dim, head_dim_v)) != 0,
               "fwd_block_m: head_dim and head_dim_v must be multiples of 8 in [8, 256], got ", head_dim, " and ",
               head_dim_v);
@@ -109,8 +140,14 @@ std::string build_config() {
 #ifdef FAH_HDIM64
   hdims += "64,";
 #endif
+#ifdef FAH_HDIM96
+  hdims += "96,";
+#endif
 #ifdef FAH_HDIM128
   hdims += "128,";
+#endif
+#ifdef FAH_HDIM192
+  hdims += "192,";
 #endif
 #ifdef FAH_HDIM256
   hdims += "256,";
@@ -179,7 +216,9 @@ ScoreOptions check_score_options(double softmax_scale, bool causal, int64_t wind
 // The compiled entry point of (head_dim, dtype), or an error naming what this build holds.
 template <class Run>
 Run* require_kernel(Run* run, int head_dim, at::ScalarType dtype) {
-  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " (run by the head_dim ", padded_head_dim(head_dim),
+  constexpr bool kForward = std::is_same_v<Run, std::remove_pointer_t<FwdFn>>;
+  TORCH_CHECK(run != nullptr, "head_dim ", head_dim, " (run by the head_dim ",
+              kForward ? fwd_padded_head_dim(head_dim) : padded_head_dim(head_dim), kForward ? " forward" : " backward",
               " kernels) with dtype ", dtype, " is not in this build (", build_config(), ")");
   return run;
 }

@@ -69,6 +69,26 @@ struct FwdTileConfig<128> {
   static constexpr bool kDocuments = true;
 };
 
+// head_dim 96 (2026-11-30, session 9): head_dim 128's shape; 144 KiB of shared memory with two Q buffers. Before, 96
+// ran on the 128-wide kernel, a quarter of its GEMM work on zero columns.
+template <>
+struct FwdTileConfig<96> {
+  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kDocuments = true;
+};
+
+// head_dim 192 (the DeepSeek-style 192 / 128 pair included; session 9): 128 x 112, 2 stages, 1 Q -> 217 KiB (112 is
+// the largest multiple of 16 that fits, so one Q buffer and one CTA per tile); no intra-warpgroup overlap, as head_dim
+// 256: with it ptxas spills 104 B at 224 registers (S, P and a 192-wide O live at once). Before, 192 ran on the
+// 256-wide kernel.
+template <>
+struct FwdTileConfig<192> {
+  static constexpr int kBlockM = 128, kBlockN = 112, kStages = 2;
+  static constexpr bool kIntraWGOverlap = false, kPersistent = false;
+  static constexpr bool kDocuments = true;
+};
+
 template <>
 struct FwdTileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;

@@ -2,16 +2,19 @@
 
 import os
 
-HEAD_DIMS = (64, 128, 256)
+# The forward has tile widths of 96 and 192 too (head_dim 96; DeepSeek-style 192 / 128); the backward runs those
+# head dims on 128 and 256.
+FWD_HEAD_DIMS = (64, 96, 128, 192, 256)
+BWD_HEAD_DIMS = (64, 128, 256)
 DTYPES = (("fp16", "cutlass::half_t"), ("bf16", "cutlass::bfloat16_t"))
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-DIRECTIONS = (("fwd", "forward", "flash/fwd/launch_fwd_sm90.hpp", "FLASH_FWD_INSTANTIATE"),
-              ("bwd", "backward", "flash/bwd/launch_bwd_sm90.hpp", "FLASH_BWD_INSTANTIATE"))
+DIRECTIONS = (("fwd", "forward", "flash/fwd/launch_fwd_sm90.hpp", "FLASH_FWD_INSTANTIATE", FWD_HEAD_DIMS),
+              ("bwd", "backward", "flash/bwd/launch_bwd_sm90.hpp", "FLASH_BWD_INSTANTIATE", BWD_HEAD_DIMS))
 
-for direction, title, header, macro in DIRECTIONS:
-    for hdim in HEAD_DIMS:
+for direction, title, header, macro, head_dims in DIRECTIONS:
+    for hdim in head_dims:
         for name, element in DTYPES:
             path = os.path.join(HERE, f"{direction}_hdim{hdim}_{name}_sm90.cu")
             with open(path, "w") as f:

@@ -46,7 +46,8 @@ struct FwdKernelTraits {
   static_assert(NumMmaWarpGroups == 2 || NumMmaWarpGroups == 3, "register budgets for two or three consumers");
   static constexpr int kProducerRegs = NumMmaWarpGroups == 2 ? 56 : 32;
   static constexpr int kConsumerRegs = NumMmaWarpGroups == 2 ? 224 : 160;
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+  // head_dim: whole 32-element (64-byte) swizzle atoms of the K-major Q/K/V tiles (96 = 3 x 32); kBlockN: WGMMA's K.
+  static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0);
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q Kᵀ: (M, N, K = head_dim)
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O = P V:   (M, N = head_dim, K)

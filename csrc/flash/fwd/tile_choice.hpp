@@ -59,13 +59,18 @@ inline int fwd_block_m_hdim64(int seqlen_q, int seqlen_k, int window_left, int w
   return wide ? Wide::kBlockM : Narrow::kBlockM;
 }
 
-// The tile height the forward runs a problem with on the kernel of kernel_head_dim (64, 128 or 256).
+// The tile height the forward runs a problem with on the kernel of kernel_head_dim (64, 96, 128, 192 or 256).
 inline int fwd_block_m(int kernel_head_dim, int seqlen_q, int seqlen_k, int window_left, int window_right,
                        int64_t num_head_batches, int num_sms) {
   if (kernel_head_dim == 64) {
     return fwd_block_m_hdim64(seqlen_q, seqlen_k, window_left, window_right, num_head_batches, num_sms);
   }
-  return kernel_head_dim == 128 ? FwdTileConfig<128>::kBlockM : FwdTileConfig<256>::kBlockM;
+  switch (kernel_head_dim) {
+    case 96: return FwdTileConfig<96>::kBlockM;
+    case 128: return FwdTileConfig<128>::kBlockM;
+    case 192: return FwdTileConfig<192>::kBlockM;
+    default: return FwdTileConfig<256>::kBlockM;
+  }
 }
 
 }  // namespace flash
