@@ -170,6 +170,23 @@ def test_softcap_large_cap(dtype):
     _run_and_check(q, k, v, dout, "softcap 50", causal=True, softcap=50.0)
 
 
+@pytest.mark.parametrize("cap", [30.0, 30.5], ids=["fixed-max", "online-max"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_softcap_rows_at_the_floor(dtype, cap):
+    """Rows whose every score sits near -cap (q anti-aligned with every key), where a softmax shifted by the cap
+    instead of the row maximum has its smallest values, exp(-2 cap): bf16 with cap <= 30 takes that fixed maximum,
+    30.5 and fp16 the online one; results by the rule, the LSE included. Some rows see one key (causal, seqlen_q >
+    seqlen_k runs rows with none: LSE -inf, output 0)."""
+    _require_built(128, dtype)
+    q, k, v, dout = _inputs(2, 300, 200, 4, 4, 128, dtype)
+    direction = torch.randn(1, 1, 4, 128, device="cuda")
+    direction = direction / direction.norm(dim=-1, keepdim=True)
+    # q . k ~ -900 * softmax_scale per pair: every tanh near -1, spread by the random parts.
+    q = (q.float() * 0.5 + 30 * direction).to(dtype)
+    k = (k.float() * 0.5 - 30 * direction).to(dtype)
+    _run_and_check(q, k, v, dout, f"softcap {cap} floor", causal=True, softcap=cap)
+
+
 # ----------------------------------------------------------------------------------------------- differentiable LSE
 
 

@@ -17,6 +17,10 @@ using namespace cute;
 struct ScoreScales {
   float score_scale, score_scale_log2, softcap_pre;
 };
+// Largest softcap that runs with a fixed maximum (OnlineSoftmax::step_fixed_max): P >= exp(-2 * 30) = 8.8e-27, and
+// P times any V element above 2^-40 stays a normal float32 in the P V accumulator.
+constexpr float kSoftcapFixedMaxLimit = 30.f;
+
 inline ScoreScales score_scales(float softmax_scale, float softcap) {
   float const scale = softcap > 0.f ? softcap : softmax_scale;
   return {scale, float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
@@ -66,6 +70,29 @@ struct OnlineSoftmax {
       row_sum[r] = row_sum[r] * rescale[r] + sum;
     }
     return rescale;
+  }
+
+  // Softcap with a fixed maximum: the scores the softmax sees, c * x with x = tanh(..) in [-1, 1], never exceed the
+  // cap, so exp(c * (x - 1)) in (exp(-2c), 1] needs no running maximum: no max reduction and no rescaling of O.
+  // Valid while exp(-2c) stays far from float32's (and bf16's) smallest normal (kSoftcapFixedMaxLimit); an fp16 P
+  // would underflow (its smallest normal is 6e-5), so only bf16 takes it. Call fix_max() once before the first step.
+  CUTLASS_DEVICE void fix_max() {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) { row_max[r] = 1.f; }
+  }
+  template <class TensorS>
+  CUTLASS_DEVICE void step_fixed_max(TensorS& tSrS) {
+    Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float sum = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -scale_log2));
+        sum += s(r, j);
+      }
+      row_sum[r] += sum;
+    }
   }
 
   // Multiplies the rows of an accumulator (O) by per-row factors.

@@ -207,10 +207,15 @@ CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) 
   storage.empty_barrier_[state.index()].arrive();
 }
 
-// Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). kSoftcap is a template
-// argument, not a runtime flag: its live registers made head_dim 256 spill even with the flag off. So is the Q
-// buffer: with a runtime index the Q descriptor stayed live through the main loop and spilled (head_dim 128: 60 B).
-template <class Traits, bool kSoftcap, int kQBuf>
+// How raw scores enter the softmax: no softcap; softcap with the online maximum; softcap with a fixed maximum (bf16
+// and c <= kSoftcapFixedMaxLimit: OnlineSoftmax::step_fixed_max).
+enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 2 };
+
+// Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). The softcap mode is a template
+// argument, not a runtime flag: a softcap's live registers made head_dim 256 spill even with the flag off, and both
+// softmax paths in one kernel took head_dim 128's softcap kernel from 8 to 40 B of spills. So is the Q buffer: with
+// a runtime index the Q descriptor stayed live through the main loop and spilled (head_dim 128: 60 B).
+template <class Traits, int kSoftcapMode, int kQBuf>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
@@ -218,6 +223,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   constexpr int q_buf = kQBuf;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr bool kSoftcap = kSoftcapMode != kNoSoftcap, kFixedMax = kSoftcapMode == kSoftcapFixedMax;
 
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
@@ -248,6 +254,17 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
   };
   clear(tOrO);
+  if constexpr (kFixedMax) { softmax.fix_max(); }
+  // The softmax of one key block; false when O needs no rescaling (a softcap's fixed maximum).
+  auto softmax_step = [&](auto& tSrS, cute::array<float, kRows>& rescale) {
+    if constexpr (kFixedMax) {
+      softmax.step_fixed_max(tSrS);
+      return false;
+    } else {
+      rescale = softmax.step(tSrS);
+      return true;
+    }
+  };
 
   // Ping-pong between the consumer warpgroups (FlashAttention-3 paper §3.1; a round robin with three): a warpgroup
   // issues its GEMMs only in its turn and hands the turn to the next right after, so one warpgroup's softmax runs
@@ -284,7 +301,8 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     stage_release(ss.pipeline_k, k_state);
     ++k_state;
     prepare_scores(tSrS, n_block);
-    softmax.step(tSrS);  // O is still zero: nothing to rescale
+    cute::array<float, kRows> rescale;
+    softmax_step(tSrS, rescale);  // O is still zero: nothing to rescale
     convert_type_into(tSrS, tOrP);
 
     for (--n_block; n_block >= n_block_min; --n_block) {
@@ -303,7 +321,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         stage_release(ss.pipeline_k, k_state);
         ++k_state;
         prepare_scores(tSrS, n_block);
-        OnlineSoftmax<kRows>::scale_rows(tOrO, softmax.step(tSrS));
+        if (softmax_step(tSrS, rescale)) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
         convert_type_into(tSrS, tOrP);
         continue;
       }
@@ -317,11 +335,11 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       stage_release(ss.pipeline_k, k_state);
       ++k_state;
       prepare_scores(tSrS, n_block);
-      auto rescale = softmax.step(tSrS);
+      bool const rescale_o = softmax_step(tSrS, rescale);
       warpgroup_wait<0>();  // O and the registers of P are free again
       stage_release(ss.pipeline_v, v_state);
       ++v_state;
-      OnlineSoftmax<kRows>::scale_rows(tOrO, rescale);
+      if (rescale_o) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
       convert_type_into(tSrS, tOrP);
     }
 
@@ -372,7 +390,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   }
 }
 
-template <class Traits, bool kSoftcap>
+template <class Traits, int kSoftcapMode>
 __global__ void __launch_bounds__(Traits::NumThreads, 1)
     flash_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename Traits::Params const params) {
   using Pipeline = typename Traits::Pipeline;
@@ -457,10 +475,10 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       int m_block, bidh, n_block_min, n_block_max;
       SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
       if (q_buf == 0) {
-        fwd_consumer<Traits, kSoftcap, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
+        fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
                                           n_block_max);
       } else if constexpr (Traits::kQBuffers > 1) {
-        fwd_consumer<Traits, kSoftcap, 1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
+        fwd_consumer<Traits, kSoftcapMode, 1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
                                           n_block_max);
       }
       if constexpr (!Traits::kPersistent) { break; }

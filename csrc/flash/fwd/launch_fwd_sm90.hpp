@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -86,15 +87,27 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       persistent ? p.tile_counter : nullptr,
   };
 
-  bool const softcap = p.softcap > 0.f;
-  auto kernel = softcap ? flash_fwd_sm90_kernel<Traits, true> : flash_fwd_sm90_kernel<Traits, false>;
+  // A softcap's fixed maximum: bf16 only (an fp16 P would underflow below it, flash/common/softmax.hpp); the fp16
+  // kernels are not compiled with it.
+  constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
+  int const mode = p.softcap <= 0.f                               ? kNoSoftcap
+                   : kBf16 && p.softcap <= kSoftcapFixedMaxLimit ? kSoftcapFixedMax
+                                                                  : kSoftcapOnline;
   constexpr int smem_bytes = Traits::kSmemBytes;
-  cudaError_t err = softcap ? set_max_dynamic_smem_once<cute::tuple<Traits, cute::true_type>>(kernel, smem_bytes)
-                            : set_max_dynamic_smem_once<cute::tuple<Traits, cute::false_type>>(kernel, smem_bytes);
-  if (err != cudaSuccess) { return err; }
-  dim3 grid(persistent ? int(std::min<int64_t>(num_tiles, p.num_sms)) : int(num_tiles));
-  kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
-  return cudaGetLastError();
+  auto launch = [&](auto mode_c) {
+    constexpr int kMode = decltype(mode_c)::value;
+    auto kernel = flash_fwd_sm90_kernel<Traits, kMode>;
+    cudaError_t err = set_max_dynamic_smem_once<cute::tuple<Traits, cute::C<kMode>>>(kernel, smem_bytes);
+    if (err != cudaSuccess) { return err; }
+    dim3 grid(persistent ? int(std::min<int64_t>(num_tiles, p.num_sms)) : int(num_tiles));
+    kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
+    return cudaGetLastError();
+  };
+  if (mode == kNoSoftcap) { return launch(cute::C<int(kNoSoftcap)>{}); }
+  if constexpr (kBf16) {
+    if (mode == kSoftcapFixedMax) { return launch(cute::C<int(kSoftcapFixedMax)>{}); }
+  }
+  return launch(cute::C<int(kSoftcapOnline)>{});
 }
 
 // head_dim 64: 192 or 128 rows per tile (flash/fwd/tile_choice.hpp); documents always take the 128-row tiles (the
