@@ -64,6 +64,11 @@ def _extension():
     from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 
     hdims = _list_knob("FAH_HDIMS", ALL_HDIMS, int)
+    # 96 and 192 have forward kernels only: their head dims need 128 / 256 for the backward.
+    for fwd_only, bwd in ((96, 128), (192, 256)):
+        if fwd_only in hdims and bwd not in hdims:
+            print(f"FAH_HDIMS: adding {bwd} (the backward of head_dim {fwd_only}'s kernels)", file=sys.stderr)
+            hdims = sorted(hdims + [bwd])
     dtypes = _list_knob("FAH_DTYPES", ALL_DTYPES, str)
     cutlass = _cutlass_dir()
     std = _cxx_std()

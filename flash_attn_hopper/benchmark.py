@@ -785,8 +785,8 @@ class GpuRunner:
         if self.fah_reason:
             return self.fah_reason
         if self.built is not None:
-            # Head dims between the compiled sizes run on the next size up (e.g. 96 on 128: --head-dims 96,192
-            # --hidden 1536); older packages without kernel_head_dim had the compiled sizes only.
+            # Head dims between the compiled sizes run on the next size up (e.g. 72: forward on 96, backward on 128;
+            # --head-dims 96,192 --hidden 1536); older packages without kernel_head_dim had the compiled sizes only.
             rounding = getattr(getattr(self.fah, "interface", None), "kernel_head_dim", None)
             kernels = {head_dim} if rounding is None else {rounding(head_dim)}
             if rounding is not None and hasattr(self.fah.interface, "BACKWARD_HEAD_DIMS"):

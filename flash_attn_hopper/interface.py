@@ -134,7 +134,7 @@ def _check_compiled(head_dim, dtype, head_dim_v=None):
         kernel = kernel_head_dim(max(head_dim, head_dim_v), backward=backward)
         if kernel not in head_dims:
             which = "backward" if backward else "forward"
-            ran_by = "" if kernel == head_dim else f" (run by the head_dim {kernel} {which} kernels)"
+            ran_by = f" (run by the head_dim {kernel} {which} kernels)"
             with_v = "" if head_dim_v == head_dim else f" and v head_dim {head_dim_v}"
             raise ValueError(
                 f"q has head_dim {head_dim}{with_v}{ran_by}, which this build does not include (built with head_dims "

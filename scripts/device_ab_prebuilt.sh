@@ -4,6 +4,7 @@
 # of BENCH (';'-separated arguments of python -m flash_attn_hopper.benchmark, ours and cuDNN in the same process).
 # Then the GPU tests selected by TESTS / TEST_K on the last build of BUILDS, and any POST command. Results in $OUT.
 #   BUILDS="A64 B"  BENCH="--head-dims 64 --features dense;--head-dims 128 --features dense,softcap"
+# TAG: a prefix for the JSON names, so that two invocations in one call do not overwrite each other's.
 set -u
 export PYTHONUNBUFFERED=1
 read -ra NAMES <<< "${BUILDS:-A B}"
@@ -17,7 +18,7 @@ for r in $(seq 1 ${ROUNDS:-2}); do
     for line in "${LINES[@]}"; do
       echo "== round $r build $name: $line"
       timeout ${BENCH_TIMEOUT:-200} python3 -m flash_attn_hopper.benchmark $line --direction ${DIRECTION:-fwd} \
-        --backends ours,cudnn --no-bar --json $OUT/ab_${name}_r${r}_$i.json 2>&1 | grep "^| " | cut -d'|' -f2-9
+        --backends ours,cudnn --no-bar --json $OUT/ab_${name}_r${r}_${TAG:-}$i.json 2>&1 | grep "^| " | cut -d'|' -f2-9
       i=$((i + 1))
     done
   done

@@ -1,9 +1,9 @@
-"""v with its own head dim (head_dim_v != head_dim, issue 5 item 5): q/k of head_dim, v, out, dout and dv of
-head_dim_v, e.g. DeepSeek-style (192, 128). The pair runs on the kernel of the larger one (192/128 on 256); each
-tensor's columns past its own head dim load as zeros and are never stored. Forward and backward against the float32
-reference by the rule of DESIGN.md §3 with NaN-poisoned memory, exactness against explicit zero padding, NaN
-canaries past v and dout, and compute-sanitizer memcheck. Skipped, with the reason, without an sm90 GPU and the
-built extension (see conftest.py)."""
+"""v with its own head dim (head_dim_v != head_dim, issue 5 item 5): q/k of head_dim, v, out, dout and dv of head_dim_v,
+e.g. DeepSeek-style (192, 128). The pair runs on the kernels of the larger one (192/128: forward 192, backward 256);
+each tensor's columns past its own head dim load as zeros and are never stored. Forward and backward against the
+float32 reference by the rule of DESIGN.md §3 with NaN-poisoned memory, exactness against explicit zero padding, NaN
+canaries past v and dout, and compute-sanitizer memcheck. Skipped, with the reason, without an sm90 GPU and the built
+extension (see conftest.py)."""
 
 import math
 

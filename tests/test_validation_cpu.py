@@ -446,7 +446,9 @@ def test_check_sm90_rejects_newer_and_older(monkeypatch, capability):
 
 def test_check_compiled_names_head_dim_and_dtype(monkeypatch):
     monkeypatch.setattr(_ops, "_compiled", lambda: ((128,), (torch.float16,)))
-    with pytest.raises(ValueError, match=r"^q has head_dim 64, which this build does not include") as info:
+    with pytest.raises(
+        ValueError, match=r"^q has head_dim 64 \(run by the head_dim 64 forward kernels\), which this build does not include"
+    ) as info:
         interface._check_compiled(64, torch.float16)
     assert "[128]" in str(info.value)
     with pytest.raises(TypeError, match=r"^q has dtype torch\.bfloat16, which this build does not include"):
@@ -459,10 +461,11 @@ def test_check_compiled_uses_the_larger_of_head_dim_and_head_dim_v(monkeypatch):
     monkeypatch.setattr(_ops, "_compiled", lambda: ((96, 128), (torch.float16,)))
     for head_dim, head_dim_v in ((128, 64), (64, 128), (40, 72), (72, 72)):
         assert interface._check_compiled(head_dim, torch.float16, head_dim_v) is None
-    for head_dim, head_dim_v, ran_by in ((192, 128, ""), (128, 256, r" \(run by the head_dim 256 forward kernels\)")):
+    for head_dim, head_dim_v, kernel in ((192, 128, 192), (128, 256, 256)):
         with pytest.raises(
             ValueError,
-            match=rf"^q has head_dim {head_dim} and v head_dim {head_dim_v}{ran_by}, which this build does not include",
+            match=rf"^q has head_dim {head_dim} and v head_dim {head_dim_v} \(run by the head_dim {kernel} forward "
+            r"kernels\), which this build does not include",
         ):
             interface._check_compiled(head_dim, torch.float16, head_dim_v)
 

@@ -168,9 +168,9 @@ def test_varlen_bad_cu_seqlens_raise():
 
 @pytest.mark.parametrize("nheads_k", [4, 1], ids=["mha", "mqa"])
 def test_varlen_rows_outside_the_sequences(nheads_k):
-    """cu_seqlens starting past row 0 and ending before the last row, for queries and keys, with more uncovered rows
-    than one pass of the fill over them: those rows get out 0, LSE -inf and dQ, dK, dV 0, from NaN-poisoned memory
-    (the kernels write only the rows inside the sequences)."""
+    """cu_seqlens starting past row 0 and ending before the last row, for queries and keys: those rows get out 0, LSE
+    -inf and dQ, dK, dV 0, from NaN-poisoned memory (the kernels write only the rows inside the sequences; the leading
+    rows reach the fill kernel, the trailing ones are cut off by attention_varlen and padded back)."""
     dtype = _built_dtype(128)
     lq, lk = [33, 0, 150], [40, 12, 90]
     lead_q, tail_q, lead_k, tail_k = 5, 1700, 2500, 3
@@ -183,6 +183,30 @@ def test_varlen_rows_outside_the_sequences(nheads_k):
         outside = torch.cat([t[: rows[0]], t[rows[1]:]])
         assert torch.equal(outside, torch.zeros_like(outside)), f"{name}: rows outside the sequences are not 0"
     assert torch.isneginf(lse[:, :lead_q]).all() and torch.isneginf(lse[:, end_q:]).all()
+
+
+def test_varlen_op_fills_rows_past_the_last_sequence():
+    """The ops called directly (as a torch.compile graph calls them; attention_varlen instead hands the kernels views
+    without those rows) on tensors with rows past cu_seqlens[-1], from NaN-poisoned memory: out 0 and LSE -inf there,
+    dQ, dK, dV 0 there (the fill kernel's tail branch); the covered rows equal attention_varlen's bitwise (the extra
+    rows are finite, masked, and multiply P = 0)."""
+    dtype = _built_dtype(128)
+    lq, lk = [70, 100], [90, 33]
+    q, k, v, dout = _inputs(lq, lk, 2, 2, 128, dtype, extra_q=1500, extra_k=40)
+    cu_q, cu_k, nq, nk = _cu(lq), _cu(lk), sum(lq), sum(lk)
+    args = (cu_q, cu_k, max(lq), max(lk), 128**-0.5, True, -1, 0, 0.0, False)
+    e = q.element_size()
+    _poison_allocator(q.numel() * e, q.shape[0] * q.shape[1] * 4)
+    out, lse = torch.ops.flash_attn_hopper.fwd_varlen(q, k, v, *args)
+    assert torch.equal(out[nq:], torch.zeros_like(out[nq:])), "out rows past the last sequence are not 0"
+    assert torch.isneginf(lse[:, nq:]).all(), "LSE past the last sequence is not -inf"
+    ref_out, ref_lse = attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, return_lse=True)
+    assert torch.equal(out[:nq], ref_out[:nq]) and torch.equal(lse[:, :nq], ref_lse[:, :nq])
+    _poison_allocator(q.numel() * e, k.numel() * e)
+    dq, dk, dv = torch.ops.flash_attn_hopper.bwd_varlen(dout, q, k, v, out, lse, None, *args)
+    for name, g, n in (("dq", dq, nq), ("dk", dk, nk), ("dv", dv, nk)):
+        assert torch.isfinite(g[:n]).all(), f"{name}: the covered rows are not finite"
+        assert torch.equal(g[n:], torch.zeros_like(g[n:])), f"{name}: rows past the last sequence are not 0"
 
 
 def test_varlen_rows_past_last_sequence_may_hold_nan():

@@ -418,7 +418,8 @@ std::tuple<at::Tensor, at::Tensor> fwd(at::Tensor const& q_in, at::Tensor const&
 
 // q (total_q, nheads, head_dim), k (total_k, nheads_k, head_dim), v (total_k, nheads_k, head_dim_v) -> out
 // (total_q, nheads, head_dim_v), lse (nheads, total_q). Rows no sequence covers (past cu_seqlens[-1]) get out 0 and
-// LSE -inf.
+// LSE -inf. The values of cu_seqlens and max_seqlen are trusted here (the Python layer checks them on the host): with
+// decreasing offsets or a max_seqlen below a sequence's length, rows may be left unwritten.
 std::tuple<at::Tensor, at::Tensor> fwd_varlen(at::Tensor const& q_in, at::Tensor const& k_in, at::Tensor const& v_in,
                                               at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
                                               int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,

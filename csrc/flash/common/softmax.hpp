@@ -18,7 +18,7 @@ struct ScoreScales {
   float score_scale, score_scale_log2, softcap_pre;
 };
 // Largest softcap that runs with a fixed maximum (OnlineSoftmax::step_fixed_max): P >= exp(-2 * 30) = 8.8e-27, and
-// P times any V element above 2^-40 stays a normal float32 in the P V accumulator.
+// P times any V element of magnitude 2^-39 or more stays a normal float32 in the P V accumulator.
 constexpr float kSoftcapFixedMaxLimit = 30.f;
 
 inline ScoreScales score_scales(float softmax_scale, float softcap) {
