@@ -20,6 +20,10 @@ struct ScoreScales {
 // Largest softcap that runs with a fixed maximum (OnlineSoftmax::step_fixed_max): P >= exp(-2 * 30) = 8.8e-27, and
 // P times any V element of magnitude 2^-39 or more stays a normal float32 in the P V accumulator.
 constexpr float kSoftcapFixedMaxLimit = 30.f;
+// Conditional rescaling: a row keeps its running maximum until the new one exceeds it by more than a factor 2^8 in P,
+// so unnormalised P stays <= 256 (bf16 and fp16 hold it; O's float32 accumulator grows by at most that factor) and
+// most key blocks skip the O rescale.
+constexpr float kRescaleThresholdLog2 = 8.f;
 
 inline ScoreScales score_scales(float softmax_scale, float softcap) {
   float const scale = softcap > 0.f ? softcap : softmax_scale;
@@ -43,24 +47,33 @@ struct OnlineSoftmax {
     }
   }
 
-  // Turns the S tile into unnormalised P in place and returns, per row, the factor by which the running
-  // output must be rescaled (exp of the old max minus the new one).
+  // Turns the S tile into unnormalised P in place. The running maximum moves only when a row's new maximum exceeds
+  // it by more than kRescaleThresholdLog2 (FlashAttention-4's conditional rescaling): below that P stays <= 2^8 and
+  // O needs no rescale. Returns true, warp-uniformly, when some row's maximum moved; `rescale` then holds per row
+  // the factor (1 where the row kept its maximum) by which O must be multiplied.
   template <class TensorS>
-  CUTLASS_DEVICE cute::array<float, kRows> step(TensorS& tSrS) {
+  CUTLASS_DEVICE bool step(TensorS& tSrS, cute::array<float, kRows>& rescale) {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     static_assert(decltype(size<0>(s))::value == kRows);
-    cute::array<float, kRows> rescale;
+    bool moved = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float m = row_max[r];
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); ++j) { m = fmaxf(m, s(r, j)); }
       m = quad_max(m);
+      // A row's first finite maximum always moves it (from -inf, where O and the sum are still zero); NaN compares
+      // false and keeps the old maximum, and the NaN scores propagate through P as before.
+      bool const move = row_max[r] == -INFINITY || (m - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
+      rescale[r] = 1.f;
+      if (move) {
+        rescale[r] = row_max[r] == -INFINITY ? 1.f : exp2f((row_max[r] - m) * scale_log2);
+        row_max[r] = m;
+        moved = true;
+      }
       // A row with no visible key so far keeps max -inf; subtracting 0 then maps every -inf score to P = 0
       // instead of NaN.
-      float const m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      rescale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
-      row_max[r] = m;
+      float const m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
@@ -69,7 +82,7 @@ struct OnlineSoftmax {
       }
       row_sum[r] = row_sum[r] * rescale[r] + sum;
     }
-    return rescale;
+    return __any_sync(0xffffffffu, moved);
   }
 
   // Softcap with a fixed maximum: the scores the softmax sees, c * x with x = tanh(..) in [-1, 1], never exceed the

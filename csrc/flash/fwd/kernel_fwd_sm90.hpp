@@ -255,14 +255,14 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   };
   clear(tOrO);
   if constexpr (kFixedMax) { softmax.fix_max(); }
-  // The softmax of one key block; false when O needs no rescaling (a softcap's fixed maximum).
+  // The softmax of one key block; false when O needs no rescaling (no row maximum moved, or a softcap's fixed
+  // maximum).
   auto softmax_step = [&](auto& tSrS, cute::array<float, kRows>& rescale) {
     if constexpr (kFixedMax) {
       softmax.step_fixed_max(tSrS);
       return false;
     } else {
-      rescale = softmax.step(tSrS);
-      return true;
+      return softmax.step(tSrS, rescale);
     }
   };
 
