@@ -216,6 +216,30 @@ CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) 
   storage.empty_barrier_[state.index()].arrive();
 }
 
+// Named barrier ids: 2 + w is consumer warpgroup w's ping-pong turn (w < 3), kFoldQBarrier + w its Q fold.
+constexpr int kFoldQBarrier = 5;
+
+// Multiplies this warpgroup's 64 rows of the Q tile in shared memory by `factor` (16-byte vectors: the swizzle moves
+// whole 16-byte chunks), then makes the writes visible to WGMMA and waits for the warpgroup. Each warpgroup's QKᵀ
+// reads only its own rows, so no other warpgroup is waited for.
+template <class Traits, class TensorQ>
+CUTLASS_DEVICE void fold_scale_into_q_rows(TensorQ& sQ, int mma_tidx, float factor) {
+  using Element = typename Traits::Element;
+  constexpr int kVec = 8, kVecsPerRow = Traits::kHeadDim / kVec;
+  int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
+  int const t = mma_tidx % cutlass::NumThreadsPerWarpGroup;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = t; i < 64 * kVecsPerRow; i += cutlass::NumThreadsPerWarpGroup) {
+    Element* p = &sQ(64 * wg + i / kVecsPerRow, (i % kVecsPerRow) * kVec);
+    cutlass::Array<Element, kVec> v = *reinterpret_cast<cutlass::Array<Element, kVec>*>(p);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kVec; ++k) { v[k] = Element(float(v[k]) * factor); }
+    *reinterpret_cast<cutlass::Array<Element, kVec>*>(p) = v;
+  }
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kFoldQBarrier + wg);
+}
+
 // How raw scores enter the softmax: no softcap; softcap with the online maximum; softcap with a fixed maximum (bf16
 // and c <= kSoftcapFixedMaxLimit: OnlineSoftmax::step_fixed_max).
 enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 2 };
@@ -233,6 +257,10 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr bool kSoftcap = kSoftcapMode != kNoSoftcap, kFixedMax = kSoftcapMode == kSoftcapFixedMax;
+  // bf16 softcap: softcap_pre = softmax_scale / c is folded into this tile's Q once (one more bf16 rounding of Q,
+  // below the bf16 rounding of the scores a bf16 reference makes), not multiplied into every score. fp16 keeps the
+  // multiply (Q * softcap_pre could overflow fp16 for a cap below softmax_scale).
+  constexpr bool kSoftcapFoldQ = kSoftcap && cute::is_same_v<Element, cutlass::bfloat16_t>;
 
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
@@ -273,7 +301,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   auto prepare_scores = [&](auto& tSrS, int n_block) {
     if constexpr (kSoftcap) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
+      for (int i = 0; i < size(tSrS); ++i) {
+        tSrS(i) = softcap_tanh<Element>(kSoftcapFoldQ ? tSrS(i) : tSrS(i) * params.softcap_pre);
+      }
     }
     if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
   };
@@ -310,6 +340,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   };
 
   if (n_block_max > n_block_min) {
+    if constexpr (kSoftcapFoldQ) {
+      fold_scale_into_q_rows<Traits>(sQ, mma_tidx, params.softcap_pre);
+    }
     // Intra-warpgroup overlap (FlashAttention-3 paper §3.2, Algorithm 2): while the softmax of key block j runs
     // on the CUDA cores, the tensor cores already work on O += P_{j-1} V_{j-1}. K and V stages are read one
     // block apart, hence two read states (carried from tile to tile).
