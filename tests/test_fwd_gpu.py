@@ -200,6 +200,39 @@ def test_large_negative_logits(dtype, head_dim):
     assert_close_by_rule(lse, ref_lse, naive_lse, "lse")
 
 
+@pytest.mark.parametrize("softcap", [0.0, 50.0], ids=["nocap", "cap50"])
+@pytest.mark.parametrize("rising", [True, False], ids=["rising", "falling"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_running_max_jumps(dtype, head_dim, rising, softcap):
+    """The forward keeps a row's running maximum until a key block raises it by more than a factor 2^8 in P
+    (conditional rescaling). Logits whose scale grows 20-fold across the key blocks in the order the kernel visits
+    them (last block first) make the maximum jump by more than that at almost every block; with the order reversed
+    it never moves after the first block. Odd query rows are scaled down 50-fold, so rows that move and rows that
+    do not share a warp."""
+    _require_built(head_dim, dtype)
+    batch, seqlen_q, seqlen_k, nheads = 2, 300, 1031, 3
+    q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    q[:, 1::2] *= 0.02
+    position = torch.arange(seqlen_k, device="cuda", dtype=torch.float32) / (seqlen_k - 1)
+    growth = 1.0 + 19.0 * ((1.0 - position) if rising else position)  # rising: largest at key 0, visited last
+    k = (_randn(batch, seqlen_k, nheads, head_dim, dtype=torch.float32) * growth[None, :, None, None]).to(dtype)
+    v = _randn(batch, seqlen_k, nheads, head_dim, dtype=dtype)
+    _poison_allocator(q.numel() * q.element_size(), batch * nheads * seqlen_q * 4)
+    out, lse = attention(q, k, v, softcap=softcap, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, softcap=softcap, upcast=True)
+    naive, naive_lse = attention_ref(q, k, v, softcap=softcap, upcast=False)
+    if rising:  # the construction does what it says: even rows' maxima move by more than 2^8 after block one
+        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, 0::2].float(), k.float()) / math.sqrt(head_dim)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        first_visited = scores[..., (seqlen_k - 1) // 128 * 128 :]
+        assert ((scores.amax(-1) - first_visited.amax(-1)) * math.log2(math.e)).min().item() > 8
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_close_by_rule(out, ref, naive, "out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, "lse")
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 7), (7, 0), (0, 0)])
 def test_empty_sequences(seqlen_q, seqlen_k, causal):
