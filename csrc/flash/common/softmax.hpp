@@ -32,9 +32,8 @@ inline ScoreScales score_scales(float softmax_scale, float softcap) {
 
 // Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds.
 // scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
-// one FFMA per element. kRowSums false: the caller takes l elsewhere (the forward sums P on the tensor cores) and
-// rescales it with O.
-template <int kRows, bool kRowSums = true>
+// one FFMA per element.
+template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
@@ -79,9 +78,9 @@ struct OnlineSoftmax {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
         s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -m_scaled));
-        if constexpr (kRowSums) { sum += s(r, j); }
+        sum += s(r, j);
       }
-      if constexpr (kRowSums) { row_sum[r] = row_sum[r] * rescale[r] + sum; }
+      row_sum[r] = row_sum[r] * rescale[r] + sum;
     }
     return __any_sync(0xffffffffu, moved);
   }
@@ -103,9 +102,9 @@ struct OnlineSoftmax {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
         s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -scale_log2));
-        if constexpr (kRowSums) { sum += s(r, j); }
+        sum += s(r, j);
       }
-      if constexpr (kRowSums) { row_sum[r] += sum; }
+      row_sum[r] += sum;
     }
   }
 
@@ -123,19 +122,10 @@ struct OnlineSoftmax {
   // Completes the row sums across the quad; returns 1/l per row (0 for a row that saw no key) and writes the
   // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row).
   CUTLASS_DEVICE cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse) {
-    static_assert(kRowSums);
-    cute::array<float, kRows> sums;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) { sums[r] = quad_sum(row_sum[r]); }
-    return finalize_with(softmax_scale, sums, lse);
-  }
-  // The same from whole row sums l taken elsewhere (identical across the quad).
-  CUTLASS_DEVICE cute::array<float, kRows> finalize_with(float softmax_scale, cute::array<float, kRows> const& sums,
-                                                         cute::array<float, kRows>& lse) {
     cute::array<float, kRows> inv_sum;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float const l = sums[r];
+      float const l = quad_sum(row_sum[r]);
       bool const empty = l == 0.f;  // a NaN sum (NaN input) stays NaN in O and LSE rather than reading as "no key"
       inv_sum[r] = empty ? 0.f : 1.f / l;
       lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(l);

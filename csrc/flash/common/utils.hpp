@@ -33,30 +33,6 @@ CUTLASS_DEVICE void wgmma(TiledMma& tiled_mma, TensorA const& tCrA, TensorB cons
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TensorA&>(tCrA)); }
 }
 
-// O += P V and L += P 1 (the row sums of P, on the tensor cores) as one batch: both read the same register A
-// operand, so one fence and one commit serve the two.
-template <class TiledMmaO, class TiledMmaL, class TensorA, class TensorV, class TensorO, class TensorOnes,
-          class TensorL>
-CUTLASS_DEVICE void wgmma_pv_rowsum(TiledMmaO& mma_o, TiledMmaL& mma_l, TensorA const& tOrP, TensorV const& tOrV,
-                                    TensorO& tOrO, TensorOnes const& tLrOnes, TensorL& tLrL) {
-  warpgroup_fence_operand(const_cast<TensorA&>(tOrP));
-  warpgroup_fence_operand(tOrO);
-  warpgroup_fence_operand(tLrL);
-  warpgroup_arrive();
-  CUTLASS_PRAGMA_UNROLL
-  for (int k_block = 0; k_block < size<2>(tOrP); ++k_block) {
-    cute::gemm(mma_o, tOrP(_, _, k_block), tOrV(_, _, k_block), tOrO);
-  }
-  CUTLASS_PRAGMA_UNROLL
-  for (int k_block = 0; k_block < size<2>(tOrP); ++k_block) {
-    cute::gemm(mma_l, tOrP(_, _, k_block), tLrOnes(_, _, k_block), tLrL);
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(tOrO);
-  warpgroup_fence_operand(tLrL);
-  warpgroup_fence_operand(const_cast<TensorA&>(tOrP));
-}
-
 // WGMMA accumulator ((2, 2, V), MMA_M, MMA_N) viewed as (rows, cols) = ((2, MMA_M), (2, V, MMA_N)):
 // per thread, two rows (r and r + 8 of each 16-row slab) and pairs of adjacent columns.
 template <class Layout>

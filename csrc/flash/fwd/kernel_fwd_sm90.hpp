@@ -56,14 +56,6 @@ struct FwdKernelTraits {
       decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), AtomLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(), AtomLayout{}));
-  // L += P 1: the row sums of P on the tensor cores (an N = 8 GEMM against ones beside P V) instead of one FADD per
-  // score; L is rescaled with O.
-  using TileShapeL = Shape<Int<kBlockM>, _8, Int<kBlockN>>;
-  using TiledMmaL = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, TileShapeL, GMMA::Major::K, GMMA::Major::K>(), AtomLayout{}));
-  using SmemLayoutOnes = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _8, Int<kBlockN>>(),
-      Shape<_8, Int<kBlockN>>{}));
 
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
                                                                                  Int<kBlockM>, Int<kHeadDim>>());
@@ -87,7 +79,6 @@ struct FwdKernelTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutOnes>, 1024> smem_ones;  // B of L += P 1, all ones
     cutlass::arch::ClusterTransactionBarrier barrier_q[kQBuffers];  // Q of a tile loaded (and tile_idx written)
     cutlass::arch::ClusterBarrier barrier_q_empty[kQBuffers];       // consumers done with that sQ and tile_idx
     typename Pipeline::SharedStorage pipeline_k;
@@ -216,30 +207,6 @@ CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) 
   storage.empty_barrier_[state.index()].arrive();
 }
 
-// Named barrier ids: 2 + w is consumer warpgroup w's ping-pong turn (w < 3), kFoldQBarrier + w its Q fold.
-constexpr int kFoldQBarrier = 5;
-
-// Multiplies this warpgroup's 64 rows of the Q tile in shared memory by `factor` (16-byte vectors: the swizzle moves
-// whole 16-byte chunks), then makes the writes visible to WGMMA and waits for the warpgroup. Each warpgroup's QKᵀ
-// reads only its own rows, so no other warpgroup is waited for.
-template <class Traits, class TensorQ>
-CUTLASS_DEVICE void fold_scale_into_q_rows(TensorQ& sQ, int mma_tidx, float factor) {
-  using Element = typename Traits::Element;
-  constexpr int kVec = 8, kVecsPerRow = Traits::kHeadDim / kVec;
-  int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
-  int const t = mma_tidx % cutlass::NumThreadsPerWarpGroup;
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = t; i < 64 * kVecsPerRow; i += cutlass::NumThreadsPerWarpGroup) {
-    Element* p = &sQ(64 * wg + i / kVecsPerRow, (i % kVecsPerRow) * kVec);
-    cutlass::Array<Element, kVec> v = *reinterpret_cast<cutlass::Array<Element, kVec>*>(p);
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kVec; ++k) { v[k] = Element(float(v[k]) * factor); }
-    *reinterpret_cast<cutlass::Array<Element, kVec>*>(p) = v;
-  }
-  cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kFoldQBarrier + wg);
-}
-
 // How raw scores enter the softmax: no softcap; softcap with the online maximum; softcap with a fixed maximum (bf16
 // and c <= kSoftcapFixedMaxLimit: OnlineSoftmax::step_fixed_max).
 enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 2 };
@@ -257,10 +224,6 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr bool kSoftcap = kSoftcapMode != kNoSoftcap, kFixedMax = kSoftcapMode == kSoftcapFixedMax;
-  // bf16 softcap: softcap_pre = softmax_scale / c is folded into this tile's Q once (one more bf16 rounding of Q,
-  // below the bf16 rounding of the scores a bf16 reference makes), not multiplied into every score. fp16 keeps the
-  // multiply (Q * softcap_pre could overflow fp16 for a cap below softmax_scale).
-  constexpr bool kSoftcapFoldQ = kSoftcap && cute::is_same_v<Element, cutlass::bfloat16_t>;
 
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
@@ -277,22 +240,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
-  using Softmax = OnlineSoftmax<kRows, /*kRowSums=*/false>;
-  Softmax softmax(params.score_scale_log2);
-  typename Traits::TiledMmaL tiled_mma_l;
-  auto thr_mma_l = tiled_mma_l.get_thread_slice(mma_tidx);
-  Tensor sOnes = make_tensor(make_smem_ptr(ss.smem_ones.data()), typename Traits::SmemLayoutOnes{});
-  Tensor tLrOnes = thr_mma_l.partition_fragment_B(sOnes);                             // (MMA, MMA_N, MMA_K)
-  Tensor tLrL = partition_fragment_C(tiled_mma_l, Shape<Int<kBlockM>, _8>{});          // row sums, 8 equal columns
-  Tensor tLrL_rc = make_tensor(tLrL.data(), acc_rowcol(tLrL.layout()));
-  static_assert(decltype(size<0>(tLrL_rc))::value == kRows);
-  auto pv_gemm = [&](auto const& tOrP, int v_index) {
-    wgmma_pv_rowsum(tiled_mma_pv, tiled_mma_l, tOrP, tOrV(_, _, _, v_index), tOrO, tLrOnes, tLrL);
-  };
-  auto rescale_o = [&](cute::array<float, kRows> const& factor) {
-    Softmax::scale_rows(tOrO, factor);
-    Softmax::scale_rows(tLrL, factor);
-  };
+  OnlineSoftmax<kRows> softmax(params.score_scale_log2);
   auto const window = make_window<kBlockM, kBlockN, Traits::kDocuments>(params, info);
   int interior_lo, interior_hi;
   window.interior_n_blocks(m_block, interior_lo, interior_hi);
@@ -301,14 +249,11 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   auto prepare_scores = [&](auto& tSrS, int n_block) {
     if constexpr (kSoftcap) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) {
-        tSrS(i) = softcap_tanh<Element>(kSoftcapFoldQ ? tSrS(i) : tSrS(i) * params.softcap_pre);
-      }
+      for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
     }
     if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
   };
   clear(tOrO);
-  clear(tLrL);
   if constexpr (kFixedMax) { softmax.fix_max(); }
   // The softmax of one key block; false when O needs no rescaling (no row maximum moved, or a softcap's fixed
   // maximum).
@@ -340,9 +285,6 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   };
 
   if (n_block_max > n_block_min) {
-    if constexpr (kSoftcapFoldQ) {
-      fold_scale_into_q_rows<Traits>(sQ, mma_tidx, params.softcap_pre);
-    }
     // Intra-warpgroup overlap (FlashAttention-3 paper §3.2, Algorithm 2): while the softmax of key block j runs
     // on the CUDA cores, the tensor cores already work on O += P_{j-1} V_{j-1}. K and V stages are read one
     // block apart, hence two read states (carried from tile to tile).
@@ -369,7 +311,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         stage_wait(ss.pipeline_v, v_state);
         stage_wait(ss.pipeline_k, k_state);
         wait_turn();
-        pv_gemm(tOrP, v_state.index());
+        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
         warpgroup_wait<0>();  // P's registers die before S's accumulator is born
         stage_release(ss.pipeline_v, v_state);
         ++v_state;
@@ -379,7 +321,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         stage_release(ss.pipeline_k, k_state);
         ++k_state;
         prepare_scores(tSrS, n_block);
-        if (softmax_step(tSrS, rescale)) { rescale_o(rescale); }
+        if (softmax_step(tSrS, rescale)) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
         convert_type_into(tSrS, tOrP);
         continue;
       }
@@ -387,17 +329,17 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       stage_wait(ss.pipeline_v, v_state);
       wait_turn();
       wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
-      pv_gemm(tOrP, v_state.index());
+      wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
       pass_turn();
       warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
       stage_release(ss.pipeline_k, k_state);
       ++k_state;
       prepare_scores(tSrS, n_block);
-      bool const moved = softmax_step(tSrS, rescale);
+      bool const rescale_o = softmax_step(tSrS, rescale);
       warpgroup_wait<0>();  // O and the registers of P are free again
       stage_release(ss.pipeline_v, v_state);
       ++v_state;
-      if (moved) { rescale_o(rescale); }
+      if (rescale_o) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
       convert_type_into(tSrS, tOrP);
     }
 
@@ -405,7 +347,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     ss.barrier_q_empty[q_buf].arrive();
     stage_wait(ss.pipeline_v, v_state);
     wait_turn();
-    pv_gemm(tOrP, v_state.index());
+    wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
     pass_turn();
     warpgroup_wait<0>();
     stage_release(ss.pipeline_v, v_state);
@@ -416,11 +358,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q and columns past head_dim_v are not
   // written).
-  cute::array<float, kRows> lse, row_sums;
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < kRows; ++r) { row_sums[r] = tLrL_rc(r, 0); }
-  auto inv_sum = softmax.finalize_with(params.score_scale, row_sums, lse);
-  Softmax::scale_rows(tOrO, inv_sum);
+  cute::array<float, kRows> lse;
+  auto inv_sum = softmax.finalize(params.score_scale, lse);
+  OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
   Tensor tOrO_out = convert_type<Element>(tOrO);
   Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -478,10 +418,6 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   pipeline_params.num_consumers = Traits::NumMmaThreads;
   Pipeline pipeline_k(ss.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
-  for (int i = threadIdx.x; i < int(ss.smem_ones.size()); i += Traits::NumThreads) {
-    ss.smem_ones[i] = typename Traits::Element(1.f);
-  }
-  cutlass::arch::fence_view_async_shared();  // the ones are read by WGMMA (the async proxy)
   // Barrier initialisation must be visible to every thread (and the async proxy) before first use.
   cutlass::arch::fence_barrier_init();
   __syncthreads();
