@@ -47,11 +47,12 @@ struct OnlineSoftmax {
     }
   }
 
-  // Turns the S tile into unnormalised P in place. The running maximum moves only when a row's new maximum exceeds
-  // it by more than kRescaleThresholdLog2 (FlashAttention-4's conditional rescaling): below that P stays <= 2^8 and
-  // O needs no rescale. Returns true, warp-uniformly, when some row's maximum moved; `rescale` then holds per row
-  // the factor (1 where the row kept its maximum) by which O must be multiplied.
-  template <class TensorS>
+  // Turns the S tile into unnormalised P in place and returns, warp-uniformly, whether O must be rescaled; `rescale`
+  // then holds per row the factor (exp of the old maximum minus the new one; 1 where the row kept its maximum).
+  // kLazy (FlashAttention-4's conditional rescaling): the running maximum moves only when a row's new maximum
+  // exceeds it by more than kRescaleThresholdLog2; below that P stays <= 2^8 and O needs no rescale. Without it every
+  // step moves the maximum and returns true (cheaper where the O rescale is: FwdKernelTraits::kLazyRescale).
+  template <bool kLazy, class TensorS>
   CUTLASS_DEVICE bool step(TensorS& tSrS, cute::array<float, kRows>& rescale) {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     static_assert(decltype(size<0>(s))::value == kRows);
@@ -62,18 +63,25 @@ struct OnlineSoftmax {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); ++j) { m = fmaxf(m, s(r, j)); }
       m = quad_max(m);
-      // A row's first finite maximum always moves it (from -inf, where O and the sum are still zero); NaN compares
-      // false and keeps the old maximum, and the NaN scores propagate through P as before.
-      bool const move = row_max[r] == -INFINITY || (m - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
-      rescale[r] = 1.f;
-      if (move) {
-        rescale[r] = row_max[r] == -INFINITY ? 1.f : exp2f((row_max[r] - m) * scale_log2);
-        row_max[r] = m;
-        moved = true;
-      }
       // A row with no visible key so far keeps max -inf; subtracting 0 then maps every -inf score to P = 0
       // instead of NaN.
-      float const m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
+      float m_scaled;
+      if constexpr (kLazy) {
+        // A row's first finite maximum always moves it (from -inf, where O and the sum are still zero); NaN compares
+        // false and keeps the old maximum, and the NaN scores propagate through P as before.
+        bool const move = row_max[r] == -INFINITY || (m - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
+        rescale[r] = 1.f;
+        if (move) {
+          rescale[r] = row_max[r] == -INFINITY ? 1.f : exp2f((row_max[r] - m) * scale_log2);
+          row_max[r] = m;
+          moved = true;
+        }
+        m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
+      } else {
+        m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+        rescale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
+        row_max[r] = m;
+      }
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
@@ -82,7 +90,11 @@ struct OnlineSoftmax {
       }
       row_sum[r] = row_sum[r] * rescale[r] + sum;
     }
-    return __any_sync(0xffffffffu, moved);
+    if constexpr (kLazy) {
+      return __any_sync(0xffffffffu, moved);
+    } else {
+      return true;
+    }
   }
 
   // Softcap with a fixed maximum: the scores the softmax sees, c * x with x = tanh(..) in [-1, 1], never exceed the

@@ -34,6 +34,11 @@ struct FwdKernelTraits {
   static constexpr bool kPersistent = kPersistent_;  // else one tile per CTA, the tile loop compiled out
   static constexpr bool kDocuments = kDocuments_;    // else document bounds compiled out (doc_bounds must be null)
   static constexpr int kHeadDim = kHeadDim_;
+  // Conditional O rescaling (OnlineSoftmax::step<true>) where O is wide enough for the skipped rescale to outweigh
+  // the threshold test. H200, 2026-12-01 (session 10 run 1, bf16 TFLOP/s always / conditional): head_dim 128 no mask
+  // 1024-16384 517-540/529-531, 590/608-613, 615/634-639, causal 1024-16384 380/382-384, 515-550/564, 592-597/614-624;
+  // head_dim 64 lost 5-10 % (no mask 4096 464-477/445-460, causal 1024 296-297/267-268), its loops longer.
+  static constexpr bool kLazyRescale = kHeadDim_ >= 128;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -262,7 +267,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       softmax.step_fixed_max(tSrS);
       return false;
     } else {
-      return softmax.step(tSrS, rescale);
+      return softmax.template step<Traits::kLazyRescale>(tSrS, rescale);
     }
   };
 
