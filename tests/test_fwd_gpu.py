@@ -202,14 +202,15 @@ def test_large_negative_logits(dtype, head_dim):
 
 @pytest.mark.parametrize("softcap", [0.0, 50.0], ids=["nocap", "cap50"])
 @pytest.mark.parametrize("rising", [True, False], ids=["rising", "falling"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_running_max_jumps(dtype, head_dim, rising, softcap):
     """The forward keeps a row's running maximum until a key block raises it by more than a factor 2^8 in P
     (conditional rescaling). Logits whose scale grows 20-fold across the key blocks in the order the kernel visits
     them (last block first) make the maximum jump by more than that at almost every block; with the order reversed
     it never moves after the first block. Odd query rows are scaled down 50-fold, so rows that move and rows that
-    do not share a warp."""
+    do not share a warp. Kernel widths >= 128 take the conditional rescale, 64 the unconditional one; the check
+    of the first visited block uses 128 keys, a superset of every width's first block (kBlockN <= 128)."""
     _require_built(head_dim, dtype)
     batch, seqlen_q, seqlen_k, nheads = 2, 300, 1031, 3
     q = _randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
