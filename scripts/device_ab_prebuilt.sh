@@ -3,7 +3,7 @@
 # call: for ROUNDS rounds (order reversed every other round), each build in its own process runs each benchmark line
 # of BENCH (';'-separated arguments of python -m flash_attn_hopper.benchmark, ours and cuDNN in the same process).
 # Then the GPU tests selected by TESTS / TEST_K on the last build of BUILDS, and any POST command. Results in $OUT
-# (the benchmark JSONs in ab_json.tar.gz).
+# (the benchmark JSONs in ab_json_TAG.tar.gz).
 #   BUILDS="A64 B"  BENCH="--head-dims 64 --features dense;--head-dims 128 --features dense,softcap"
 # TAG: a prefix for the JSON names, so that two invocations in one call do not overwrite each other's.
 set -u
@@ -31,4 +31,4 @@ if [ -n "${TESTS:-}" ]; then
 fi
 if [ -n "${POST:-}" ]; then bash -c "$POST"; fi
 # Only 8 files come back from a device call: the JSONs travel as one archive.
-(cd $OUT && ls ab_*.json > /dev/null 2>&1 && tar czf ab_json.tar.gz ab_*.json && rm -f ab_*.json)
+(cd $OUT && ls ab_*.json > /dev/null 2>&1 && tar czf ab_json_${TAG:-}.tar.gz ab_*.json && rm -f ab_*.json)

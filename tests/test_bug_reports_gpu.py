@@ -301,7 +301,7 @@ def test_varlen_empty_key_sequences_in_canary_buffers(head_dim, causal):
     unchanged (nothing written around the tensors) with no NaN read into any result; the sequences without keys
     get output 0, LSE -inf and dQ 0."""
     dtype = built_dtype(head_dim)
-    # Key sequences of 37 and 45 between the empty ones, not 2: at one or two keys the backward's D = rowsum(dO * O),
+    # Key sequences of 37 and 45 between the empty ones, not 2: at exactly two keys the backward's D = rowsum(dO * O),
     # taken from the rounded O as in every FlashAttention backward, can put dQ / dK just past the rule (README,
     # Accuracy at very short key ranges); this test is about the empty ones.
     lq, lk = [1, 2, 1, 2, 130], [0, 37, 0, 45, 0]
@@ -337,8 +337,9 @@ def test_varlen_max_seqlen_one_with_empty_sequences(dtype, causal):
 def test_varlen_fewer_tokens_than_sequences(dtype):
     """Four sequences holding one token in all (cu_seqlens [0, 0, 0, 0, 1]), 21 query heads on 7 KV heads, head_dim
     120, softmax_scale sqrt(120) as in the report: the one query sees the one key, so out is v's row (out and LSE by
-    the rule; the gradients, 0 or a sum of three dO rows up to rounding, where the naive reference is exact, only
-    finite). Then the same heads with 3 query and 5 key tokens in the last of four sequences, checked in full."""
+    the rule). With P = 1, dV is the sum of the group's three dO rows (to one rounding of the output) and dQ, dK
+    vanish up to float32 rounding of dS = dP - D (bounded by a few float32 ulps of the dP terms). Then the same heads
+    with 3 query and 5 key tokens in the last of four sequences, checked in full."""
     head_dim = 120  # runs on the 128-wide kernels
     require_built(head_dim, dtype)
     cu = torch.tensor([0, 0, 0, 0, 1], dtype=torch.int32, device="cuda")
@@ -351,6 +352,16 @@ def test_varlen_fewer_tokens_than_sequences(dtype):
     assert_close_by_rule(lse, ref_lse, naive_lse, "one token lse")
     for gname, g, t in zip(GRAD_NAMES, grads, (q, k, v)):
         assert g.shape == t.shape and torch.isfinite(g).all(), f"one token {gname}"
+    dq, dk, dv = (g.float() for g in grads)
+    dv_ref = dout.float().view(1, 7, 3, head_dim).sum(2)  # query heads 3g..3g+2 read KV head g
+    eps = torch.finfo(dtype).eps
+    assert ((dv - dv_ref).abs() <= eps * dv_ref.abs() + 1e-6).all(), "one token dv: not the sum of the group's dO rows"
+    # dP = dO . v and D = dO . O (O = v exactly) are float32 sums of at most 128 products: each within 128 x 2^-24 of
+    # sum |dO| |v|, so |dS| <= 2^-16 of it; dQ = softmax_scale dS k, dK sums three query heads' softmax_scale dS q.
+    dp_mag = (dout.float().abs() * v.float().abs().repeat_interleave(3, dim=1)).sum(-1).max().item()
+    bound = scale * dp_mag * 2.0**-16 * max(q.float().abs().max().item(), k.float().abs().max().item()) * 3
+    for gname, g in (("dq", dq), ("dk", dk)):
+        assert g.abs().max().item() <= bound, f"one token {gname}: {g.abs().max().item():.3e} > {bound:.3e} (should cancel)"
 
     lq, lk = [0, 0, 0, 3], [0, 0, 0, 5]
     q, k, v, dout = _varlen_inputs(lq, lk, 21, 7, head_dim, dtype)
@@ -768,7 +779,7 @@ def test_forward_bitwise_repeatable():
     LSE; dense (about 1000 tiles for the persistent scheduler, GQA, causal, softcap) and varlen."""
     head_dim = 128
     dtype = built_dtype(head_dim)
-    q, k, v, _ = attention_inputs(2, 1000, 1100, 8, 2, head_dim, dtype)
+    q, k, v, _ = attention_inputs(16, 1000, 1100, 8, 2, head_dim, dtype)  # 16 x 8 x 8 = 1024 tiles over 132 SMs
     opts = dict(causal=True, softcap=20.0)
     lq, lk = [300, 0, 513, 1], [257, 33, 600, 1]
     qv, kv, vv, _ = _varlen_inputs(lq, lk, 8, 2, head_dim, dtype)
@@ -801,7 +812,7 @@ def test_forward_bitwise_repeatable():
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_backward_repeats_many_query_blocks_per_key_block(dtype):
     """The report's shape (batch 60, 2048 queries, 128 keys, one head, inputs scaled by 3: wrong gradients on some of
-    50 backward passes, a race): each key block gathers 16 query blocks. With deterministic=True five backward passes
+    50 backward passes, a race): each key block gathers 32 query blocks (kBlockM 64). With deterministic=True five backward passes
     are bit-identical; in the default mode each of three is within the rule."""
     head_dim = 128
     require_built(head_dim, dtype)

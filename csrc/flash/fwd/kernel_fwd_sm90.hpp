@@ -35,9 +35,10 @@ struct FwdKernelTraits {
   static constexpr bool kDocuments = kDocuments_;    // else document bounds compiled out (doc_bounds must be null)
   static constexpr int kHeadDim = kHeadDim_;
   // Conditional O rescaling (OnlineSoftmax::step<true>) where O is wide enough for the skipped rescale to outweigh
-  // the threshold test. H200, 2026-12-01 (session 10 run 1, bf16 TFLOP/s always / conditional): head_dim 128 no mask
-  // 1024-16384 517-540/529-531, 590/608-613, 615/634-639, causal 1024-16384 380/382-384, 515-550/564, 592-597/614-624;
-  // head_dim 64 lost 5-10 % (no mask 4096 464-477/445-460, causal 1024 296-297/267-268), its loops longer.
+  // the threshold test. H200, 2026-12-01 (session 10 run 1, bf16 TFLOP/s always / conditional, two rounds; records in
+  // benchmarks/results/2026-12-01_h200_session10): head_dim 128 no mask 1024/4096/16384 541/555, 591-596/607-623,
+  // 597/622, causal 379-380/380, 511-521/528-529, 592-597/619-661; 256 no mask +1-3 %; 192 within the spread. head_dim
+  // 64 lost 5-10 % in an earlier try whose records were lost (NOTES.md, session 10): its loops grew longer.
   static constexpr bool kLazyRescale = kHeadDim_ >= 128;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
