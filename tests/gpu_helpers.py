@@ -111,12 +111,49 @@ def check_deterministic(q, k, v, dout, name):
     check_attention(out.detach(), lse, runs[0], q, k, v, dout, name, causal=True)
 
 
+def check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, dlse=None, **opts):
+    """attention_varlen's out, LSE, dQ, dK, dV by the rule against the float32 reference run per sequence, with their
+    shapes and dtypes; rows that see no key: output and dQ exactly 0 (LSE -inf by the rule, whose infinities must
+    match)."""
+    from flash_attn_hopper.testing import assert_close_by_rule, attention_varlen_ref, attention_varlen_ref_grads
+
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[-1]) and out.dtype == q.dtype, name
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32, name
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
+    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
+    assert_close_by_rule(out, ref, naive, f"{name} out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
+    empty = torch.isneginf(lse).transpose(0, 1)  # (total_q, nheads)
+    if empty.any():
+        for what, t in (("out", out), ("dq", grads[0])):
+            rows = t[empty]
+            assert torch.equal(rows, torch.zeros_like(rows)), f"{name}: {what} rows that see no key are not exactly 0"
+    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, dlse=dlse, **opts)
+    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, dlse=dlse, **opts)
+    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
+        assert g.shape == t.shape and g.dtype == t.dtype, f"{name} {gname}"
+        assert torch.isfinite(n).all(), f"{name} {gname}: the naive reference is not finite"
+        assert_close_by_rule(g, r, n, f"{name} {gname}")
+
+
+def check_grads_where_required(leaves, which, ref, naive, dtype, name):
+    """After a backward through leaves {"q", "k", "v"} of which only those named in `which` require grad: those get
+    gradients of their shape and dtype, right by the rule against ref / naive (dQ, dK, dV); the others none."""
+    from flash_attn_hopper.testing import assert_close_by_rule
+
+    for i, leaf in enumerate("qkv"):
+        grad = leaves[leaf].grad
+        if leaf in which:
+            assert grad is not None and grad.shape == leaves[leaf].shape and grad.dtype == dtype, f"{name}: d{leaf}"
+            assert_close_by_rule(grad, ref[i], naive[i], f"{name}: d{leaf}")
+        else:
+            assert grad is None, f"{name}: {leaf} does not require grad but got a gradient"
+
+
 def check_varlen(head_dim, head_dim_v, nheads_k, dtype, name, **opts):
     """attention_varlen forward and backward over five sequences of awkward lengths (empty ones on either side), 4
     query heads, memory poisoned before each pass; out, LSE, dQ, dK, dV and their shapes by the rule against the
-    float32 reference."""
-    from flash_attn_hopper.testing import assert_close_by_rule, attention_varlen_ref, attention_varlen_ref_grads
-
+    float32 reference, and rows that see no key (check_attention_varlen)."""
     lq, lk = [1, 300, 129, 0, 64], [5, 257, 129, 33, 0]
     total_q, total_k, nheads = sum(lq), sum(lk), 4
     q = randn(total_q, nheads, head_dim, dtype=dtype)
@@ -129,18 +166,9 @@ def check_varlen(head_dim, head_dim_v, nheads_k, dtype, name, **opts):
     sizes = (q.numel() * e, k.numel() * e, v.numel() * e, dout.numel() * e)
     poison_allocator(*sizes, total_q * nheads * 4)
     out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max(lq), max(lk), return_lse=True, **opts)
-    assert out.shape == (total_q, nheads, head_dim_v), name
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
-    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
-    assert_close_by_rule(out.detach(), ref, naive, f"{name} varlen out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} varlen lse")
     poison_allocator(*sizes)
     grads = torch.autograd.grad(out, leaves, dout)
-    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, **opts)
-    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, **opts)
-    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
-        assert g.shape == t.shape, f"{name} {gname}"
-        assert_close_by_rule(g, r, n, f"{name} varlen {gname}")
+    check_attention_varlen(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, f"{name} varlen", **opts)
 
 
 def bits(t):

@@ -26,7 +26,8 @@ from flash_attn_hopper.testing import (
     local_mask,
     repeat_kv,
 )
-from gpu_helpers import attention_inputs, bits, built_dtype, check_attention, cu_seqlens, in_canary_buffers
+from gpu_helpers import attention_inputs, bits, built_dtype, check_attention, check_attention_varlen
+from gpu_helpers import check_grads_where_required, cu_seqlens, in_canary_buffers
 from gpu_helpers import poison_allocator, randn, require_built, run_attention
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
@@ -75,28 +76,6 @@ def _varlen_run(q, k, v, dout, cu_q, cu_k, max_q, max_k, dlse=None, **opts):
     outputs, grads_in = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
     grads = torch.autograd.grad(outputs, leaves, grads_in)
     return out.detach(), lse.detach(), grads
-
-
-def _varlen_check(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, dlse=None, **opts):
-    """out, LSE, dQ, dK, dV of attention_varlen by the rule against the float32 reference run per sequence; rows that
-    see no key: output and dQ exactly 0 (LSE -inf by the rule, whose infinities must match)."""
-    assert out.shape == (q.shape[0], q.shape[1], v.shape[-1]) and out.dtype == q.dtype, name
-    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32, name
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
-    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
-    assert_close_by_rule(out, ref, naive, f"{name} out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
-    empty = torch.isneginf(lse).transpose(0, 1)  # (total_q, nheads)
-    if empty.any():
-        for what, t in (("out", out), ("dq", grads[0])):
-            rows = t[empty]
-            assert torch.equal(rows, torch.zeros_like(rows)), f"{name}: {what} rows that see no key are not exactly 0"
-    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, dlse=dlse, **opts)
-    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, dlse=dlse, **opts)
-    for gname, g, t, r, n in zip(GRAD_NAMES, grads, (q, k, v), ref_g, naive_g):
-        assert g.shape == t.shape and g.dtype == t.dtype, f"{name} {gname}"
-        assert torch.isfinite(n).all(), f"{name} {gname}: the naive reference is not finite"
-        assert_close_by_rule(g, r, n, f"{name} {gname}")
 
 
 def _ref_grads_through(build, leaves, dout, upcast, **opts):
@@ -269,7 +248,7 @@ def test_varlen_one_key_per_sequence_causal(dtype):
     out, lse, grads = _varlen_run(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), causal=True)
     for gname, g in zip(GRAD_NAMES, grads):
         assert not torch.isnan(g).any(), f"{gname} holds NaN"
-    _varlen_check(out, lse, grads, q, k, v, dout, cu_q, cu_k, "one key per sequence", causal=True)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, "one key per sequence", causal=True)
     assert int(torch.isfinite(lse).sum()) == len(lq), "exactly one row per sequence sees a key"
 
 
@@ -285,7 +264,7 @@ def test_varlen_empty_query_sequences_gqa(dtype, head_dim, causal):
     q, k, v, dout = _varlen_inputs(lq, lk, 4, 1, head_dim, dtype)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     out, lse, grads = _varlen_run(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), causal=causal)
-    _varlen_check(out, lse, grads, q, k, v, dout, cu_q, cu_k, "empty query sequences", causal=causal)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, "empty query sequences", causal=causal)
     for gname, g in (("dk", grads[1]), ("dv", grads[2])):
         for lo, hi in ((0, 2538), (5120, 8192)):
             rows = g[lo:hi]
@@ -310,7 +289,7 @@ def test_varlen_empty_key_sequences_in_canary_buffers(head_dim, causal):
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     out, lse, grads = _varlen_run(qc, kc, vc, dc, cu_q, cu_k, max(lq), max(lk), causal=causal)
     check(out, lse, grads)
-    _varlen_check(out, lse, grads, q, k, v, dout, cu_q, cu_k, "empty key sequences", causal=causal)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, "empty key sequences", causal=causal)
     no_keys = torch.cat([torch.full((n,), m == 0, dtype=torch.bool) for n, m in zip(lq, lk)]).cuda()
     assert torch.isneginf(lse[:, no_keys]).all(), "rows of sequences without keys must have LSE -inf"
 
@@ -328,7 +307,7 @@ def test_varlen_max_seqlen_one_with_empty_sequences(dtype, causal):
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     opts = dict(causal=causal, softmax_scale=1.0)
     out, lse, grads = _varlen_run(q, k, v, dout, cu_q, cu_k, 1, 5, **opts)
-    _varlen_check(out, lse, grads, q, k, v, dout, cu_q, cu_k, "max_seqlen 1", **opts)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, "max_seqlen 1", **opts)
     assert torch.isfinite(lse).all(), "both query rows see keys"
 
 
@@ -367,7 +346,7 @@ def test_varlen_fewer_tokens_than_sequences(dtype):
     q, k, v, dout = _varlen_inputs(lq, lk, 21, 7, head_dim, dtype)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     out, lse, grads = _varlen_run(q, k, v, dout, cu_q, cu_k, 3, 5, causal=True)
-    _varlen_check(out, lse, grads, q, k, v, dout, cu_q, cu_k, "3 tokens in 4 sequences", causal=True)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, "3 tokens in 4 sequences", causal=True)
 
 
 # https://github.com/pytorch/pytorch/issues/81077
@@ -384,7 +363,7 @@ def test_varlen_many_empty_sequences_and_one_long(causal):
     q, k, v, dout = _varlen_inputs(lq, lk, 4, 2, head_dim, dtype)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     out, lse, grads = _varlen_run(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), causal=causal)
-    _varlen_check(out, lse, grads, q, k, v, dout, cu_q, cu_k, "many empty", causal=causal)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, "many empty", causal=causal)
     for gname, g in (("dk", grads[1]), ("dv", grads[2])):
         rows = g[:40]  # sequence 7's keys: no query sees them
         assert torch.equal(rows, torch.zeros_like(rows)), f"{gname} of keys without queries is not exactly 0"
@@ -407,7 +386,7 @@ def test_varlen_cu_seqlens_updated_in_place():
 
     cu.copy_(cu_seqlens([20, 200, 80]))
     out, lse, grads = _varlen_run(q, k, v, dout, cu, cu, 200, 200, causal=True)
-    _varlen_check(out, lse, grads, q, k, v, dout, cu, cu, "boundaries written in place", causal=True)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu, cu, "boundaries written in place", causal=True)
 
     cu[1:] = cu_seqlens([10, 10, 280])[1:]
     with pytest.raises(ValueError, match="holds a sequence of length 280"):
@@ -429,7 +408,7 @@ def test_varlen_softcap_backward(dtype, opts):
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     opts = dict(opts, softcap=15.0)
     out, lse, grads = _varlen_run(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), dlse=dlse, **opts)
-    _varlen_check(out, lse, grads, q, k, v, dout, cu_q, cu_k, "varlen softcap", dlse=dlse, **opts)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, "varlen softcap", dlse=dlse, **opts)
 
 
 # ------------------------------------------------------------------------------------------------ memory layouts
@@ -769,7 +748,7 @@ def test_inputs_and_saved_tensors_untouched(api):
         check_attention(out.detach(), lse.detach(), grads, q, k, v, dout, "untouched", dlse=dlse, **opts)
     else:
         assert torch.equal(cu_q, cu_before[0]) and torch.equal(cu_k, cu_before[1]), "cu_seqlens changed"
-        _varlen_check(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, "untouched", dlse=dlse, **opts)
+        check_attention_varlen(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, "untouched", dlse=dlse, **opts)
 
 
 # https://github.com/ROCm/triton/issues/953
@@ -863,7 +842,7 @@ def test_varlen_on_a_busy_side_stream():
     torch.cuda.current_stream().wait_stream(side)
     for t in stale + [cu_q, cu_k]:
         t.record_stream(side)
-    _varlen_check(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, "side stream", causal=True)
+    check_attention_varlen(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, "side stream", causal=True)
 
 
 # https://github.com/pytorch/pytorch/issues/148476
@@ -888,13 +867,7 @@ def test_varlen_gradients_for_some_inputs_only(which):
     torch.autograd.backward(outputs, grads_in)
     ref = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, dlse=dlse, causal=True)
     naive = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, dlse=dlse, causal=True)
-    for i, name in enumerate("qkv"):
-        grad = leaves[name].grad
-        if name in which:
-            assert grad is not None and grad.shape == leaves[name].shape and grad.dtype == dtype, name
-            assert_close_by_rule(grad, ref[i], naive[i], f"only {which}: d{name}")
-        else:
-            assert grad is None, f"{name} does not require grad but got a gradient"
+    check_grads_where_required(leaves, which, ref, naive, dtype, f"only {which}")
 
 
 # https://github.com/Dao-AILab/flash-attention/issues/54
