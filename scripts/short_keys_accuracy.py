@@ -3,7 +3,9 @@ floor), worst of 40 seeds and the number of seeds over 1, for dQ / dK / dV, bf16
 
     python scripts/short_keys_accuracy.py            # the seqlen_k sweep (batch 2, 130 query rows)
     python scripts/short_keys_accuracy.py --small    # tiny batches (2-4 query rows per sequence), dense and varlen
+    python scripts/short_keys_accuracy.py --window   # long sequences whose rows see 2-3 keys through a window
 """
+import os
 import sys
 
 import torch
@@ -12,6 +14,7 @@ from flash_attn_hopper import attention, attention_varlen
 from flash_attn_hopper.testing import attention_ref_grads, attention_varlen_ref_grads, max_abs_err
 
 SEEDS = 40
+HEAD_DIMS = [int(x) for x in os.environ.get("HEAD_DIMS", "64,128").split(",")]
 
 
 def ratio(out, ref, naive):
@@ -38,19 +41,19 @@ def varlen_case(lq, lk, hd, causal, nh=2):
     return [ratio(a, b, c) for a, b, c in zip(g, rg, ng)]
 
 
-def dense_case(b, sq, sk, hd, causal, nh=2):
+def dense_case(b, sq, sk, hd, causal, nh=2, **opts):
     q, k, v, do = rand(b, sq, nh, hd), rand(b, sk, nh, hd), rand(b, sk, nh, hd), rand(b, sq, nh, hd)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = attention(*leaves, causal=causal)
+    out = attention(*leaves, causal=causal, **opts)
     g = torch.autograd.grad(out, leaves, do)
-    rg = attention_ref_grads(q, k, v, do, upcast=True, causal=causal)
-    ng = attention_ref_grads(q, k, v, do, upcast=False, causal=causal)
+    rg = attention_ref_grads(q, k, v, do, upcast=True, causal=causal, **opts)
+    ng = attention_ref_grads(q, k, v, do, upcast=False, causal=causal, **opts)
     return [ratio(a, b, c) for a, b, c in zip(g, rg, ng)]
 
 
-def report(name, f):
-    for hd in (64, 128):
-        for causal in (False, True):
+def report(name, f, causals=(False, True)):
+    for hd in HEAD_DIMS:
+        for causal in causals:
             rs = []
             for seed in range(SEEDS):
                 torch.manual_seed(seed)
@@ -69,6 +72,10 @@ if __name__ == "__main__":
         report("dense b2 2x2", lambda hd, c: dense_case(2, 2, 2, hd, c))
         report("dense b4 2x2 nh4", lambda hd, c: dense_case(4, 2, 2, hd, c, nh=4))
         report("dense b2 130x2", lambda hd, c: dense_case(2, 130, 2, hd, c))
+    elif "--window" in sys.argv:
+        for w in ((1, 0), (0, 1), (1, 1), (2, 0)):
+            report(f"dense b2 1024 x 1024 window {w}",
+                   lambda hd, c, w=w: dense_case(2, 1024, 1024, hd, c, nh=4, window_size=w), causals=(False,))
     else:
         for sk in (1, 2, 4, 8, 16, 37, 64, 200):
             report(f"dense b2 130 x {sk}", lambda hd, c, sk=sk: dense_case(2, 130, sk, hd, c))

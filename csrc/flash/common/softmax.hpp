@@ -67,9 +67,10 @@ struct OnlineSoftmax {
       // instead of NaN.
       float m_scaled;
       if constexpr (kLazy) {
-        // A row's first finite maximum always moves it (from -inf, where O and the sum are still zero); NaN compares
-        // false and keeps the old maximum, and the NaN scores propagate through P as before.
-        bool const move = row_max[r] == -INFINITY || (m - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
+        // A row's first finite maximum always moves it (m - -inf = inf; O and the sum are still zero then). A row
+        // that still sees no key (-inf - -inf = NaN) and a NaN maximum compare false: no move, so such a row does
+        // not make its warp rescale O every block; NaN scores propagate through P as before.
+        bool const move = (m - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
         rescale[r] = 1.f;
         if (move) {
           rescale[r] = row_max[r] == -INFINITY ? 1.f : exp2f((row_max[r] - m) * scale_log2);
