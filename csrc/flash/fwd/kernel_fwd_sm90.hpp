@@ -22,6 +22,12 @@
 #include "flash/common/softmax.hpp"
 #include "flash/common/utils.hpp"
 
+// QKᵀ in two halves for the fixed-maximum softcap (kSplitQK in fwd_consumer); development builds may turn it off
+// (-DFAH_SPLIT_QK=0) for A/B runs.
+#ifndef FAH_SPLIT_QK
+#define FAH_SPLIT_QK 1
+#endif
+
 namespace flash {
 
 using namespace cute;
@@ -60,6 +66,10 @@ struct FwdKernelTraits {
   using AtomLayout = Layout<Shape<Int<NumMmaWarpGroups>, _1, _1>>;        // warpgroups split M
   using TiledMmaQK =
       decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), AtomLayout{}));
+  // QKᵀ issued as two N halves, each its own commit group (kSplitQK in fwd_consumer).
+  using TileShapeQKHalf = Shape<Int<kBlockM>, Int<kBlockN / 2>, Int<kHeadDim>>;
+  using TiledMmaQKHalf =
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQKHalf>(), AtomLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(), AtomLayout{}));
 
@@ -230,6 +240,13 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr bool kSoftcap = kSoftcapMode != kNoSoftcap, kFixedMax = kSoftcapMode == kSoftcapFixedMax;
+  // QKᵀ as two N halves, each its own commit group, so the tanh of the first half runs while the tensor cores compute
+  // the second: the fixed-maximum softcap at head_dim 128, where the softmax is longest. H200, 2026-12-01 (session 11
+  // runs 7-8, bf16 TFLOP/s, two rounds; records in benchmarks/results/2026-12-01_h200_session11): softcap non-causal
+  // 1024/4096/16384 456-458/526-532/544-550 -> 462/537/550-551, causal 334-338/436-445/531-543 -> 343-346/445-446/
+  // 542; Nsight Compute 3.79 -> 3.66 ms at 16384. Without a softcap (the row maximum of the first half under the
+  // second's GEMM) it lost 4-6 %: 16 HGMMAs of N = 64 to issue instead of 8, and 28 B of spills.
+  constexpr bool kSplitQK = Traits::kIntraWGOverlap && kHeadDim == 128 && kFixedMax && FAH_SPLIT_QK;
 
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
@@ -242,6 +259,11 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
   Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
   Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+  typename Traits::TiledMmaQKHalf tiled_mma_qk_half;
+  auto thr_mma_qk_half = tiled_mma_qk_half.get_thread_slice(mma_tidx);
+  Tensor tSrQh = thr_mma_qk_half.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K)
+  Tensor tSrKh = thr_mma_qk_half.partition_fragment_B(sK);  // (MMA, MMA_N = 2, MMA_K, stages)
+  auto S_half = [&] { return partition_fragment_C(tiled_mma_qk_half, Shape<Int<kBlockM>, Int<kBlockN / 2>>{}); };
 
   Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -334,13 +356,54 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       stage_wait(ss.pipeline_k, k_state);
       stage_wait(ss.pipeline_v, v_state);
       wait_turn();
-      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
-      wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-      pass_turn();
-      warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
-      stage_release(ss.pipeline_k, k_state);
-      ++k_state;
-      prepare_scores(tSrS, n_block);
+      if constexpr (kSplitQK) {
+        // Each half of S is its own commit group: the tanh of the first runs while the second is computed.
+        constexpr int kHalf = decltype(size(tSrS))::value / 2;
+        Tensor s0 = make_tensor(tSrS.data(), typename decltype(S_half())::layout_type{});
+        Tensor s1 = make_tensor(tSrS.data() + kHalf, typename decltype(S_half())::layout_type{});
+        int const stage = k_state.index();
+        warpgroup_fence_operand(tSrS);
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          warpgroup_arrive();
+          tiled_mma_qk_half.accumulate_ = GMMA::ScaleOut::Zero;
+          CUTLASS_PRAGMA_UNROLL
+          for (int k_block = 0; k_block < size<2>(tSrQh); ++k_block) {
+            cute::gemm(tiled_mma_qk_half, tSrQh(_, 0, k_block), tSrKh(_, h, k_block, stage),
+                       (h == 0 ? s0 : s1)(_, 0, 0));
+            tiled_mma_qk_half.accumulate_ = GMMA::ScaleOut::One;
+          }
+          warpgroup_commit_batch();
+        }
+        warpgroup_fence_operand(tSrS);
+        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+        pass_turn();
+        warpgroup_wait<2>();  // the first half of S
+        warpgroup_fence_operand(tSrS);
+        // ptxas moves register-only work past a wgmma wait (the PTX order was right, the SASS had every tanh after
+        // the second wait); a branch it cannot resolve (softcap_pre is never 0 with a softcap) closes the block, so
+        // the first half's tanh stays ahead of the wait for the second half.
+        if (params.softcap_pre != 0.f) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < kHalf; ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
+        }
+        warpgroup_fence_operand(tSrS);
+        warpgroup_wait<1>();  // the second half; P V of the previous block may still run
+        warpgroup_fence_operand(tSrS);
+        stage_release(ss.pipeline_k, k_state);
+        ++k_state;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = kHalf; i < 2 * kHalf; ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
+        if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
+      } else {
+        wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+        pass_turn();
+        warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
+        stage_release(ss.pipeline_k, k_state);
+        ++k_state;
+        prepare_scores(tSrS, n_block);
+      }
       bool const rescale_o = softmax_step(tSrS, rescale);
       warpgroup_wait<0>();  // O and the registers of P are free again
       stage_release(ss.pipeline_v, v_state);
