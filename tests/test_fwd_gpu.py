@@ -327,11 +327,11 @@ def test_non_default_stream():
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
 def test_nan_input_row_stays_nan(softcap, dtype):
     """A NaN in one query row makes that row's output and LSE NaN; it must not read as a row that saw no key
-    (LSE -inf, output 0), which LSE-based merging would silently drop. Other rows are unaffected. softcap 30 in
-    bf16 runs the fixed-maximum softmax, whose exponentials are partly computed on the FMA pipe."""
+    (LSE -inf, output 0), which LSE-based merging would silently drop. Other rows are unaffected. 200 keys: the
+    key-block loop runs (softcap 30 in bf16 at head_dim 128: QKᵀ in two halves there)."""
     head_dim = 128
     _require_built(head_dim, dtype)
-    q, k, v = _qkv(1, 64, 64, 1, head_dim, dtype)
+    q, k, v = _qkv(1, 64, 200, 1, head_dim, dtype)
     q[0, 5, 0, 0] = float("nan")
     out, lse = attention(q, k, v, return_lse=True, softcap=softcap)
     assert torch.isnan(lse[0, 0, 5]) and torch.isnan(out[0, 5, 0]).all()
@@ -344,13 +344,14 @@ def test_nan_input_row_stays_nan(softcap, dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("softcap", [0.0, 30.0])
 def test_nan_key_reaches_every_row(head_dim, softcap, dtype):
-    """Batch b holds a NaN in key b (b < 16): every score column position of a thread's fragment meets a NaN once,
-    among them the columns whose exponential the bf16 softcap kernels (fixed maximum) compute on the FMA pipe (a bit
-    trick there must keep NaN NaN). Each batch's output rows and LSE are all NaN."""
+    """Batch b (of 32) holds a NaN in key 8 * (b // 2) + b % 2 of the first key block, which the key-block loop visits
+    (150 keys: the last block is visited first, outside the loop): in a WGMMA accumulator that column sits at
+    position b of a thread's 32 columns of a row, so every position, both halves of a split QKᵀ included, meets a
+    NaN once. Each batch's output rows and LSE are all NaN."""
     _require_built(head_dim, dtype)
-    q, k, v = _qkv(16, 40, 150, 1, head_dim, dtype)
-    for b in range(16):
-        k[b, b, 0, 3] = float("nan")
+    q, k, v = _qkv(32, 40, 150, 1, head_dim, dtype)
+    for b in range(32):
+        k[b, 8 * (b // 2) + b % 2, 0, 3] = float("nan")
     out, lse = attention(q, k, v, return_lse=True, softcap=softcap)
     assert torch.isnan(lse).all() and torch.isnan(out).all()
 

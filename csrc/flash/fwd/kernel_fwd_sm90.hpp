@@ -381,9 +381,10 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         warpgroup_wait<2>();  // the first half of S
         warpgroup_fence_operand(tSrS);
         // ptxas moves register-only work past a wgmma wait (the PTX order was right, the SASS had every tanh after
-        // the second wait); a branch it cannot resolve (softcap_pre is never 0 with a softcap) closes the block, so
-        // the first half's tanh stays ahead of the wait for the second half.
-        if (params.softcap_pre != 0.f) {
+        // the second wait); a branch it cannot resolve (softcap_pre's bits are never 0 with a softcap) closes the
+        // block, so the first half's tanh stays ahead of the wait for the second half. The test is on the bits, not
+        // the float: under fast math a subnormal softcap_pre compares equal to 0.
+        if (__float_as_uint(params.softcap_pre) != 0u) {
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < kHalf; ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
         }
