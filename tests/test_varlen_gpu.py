@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from flash_attn_hopper import attention, attention_varlen
-from flash_attn_hopper.testing import assert_close_by_rule, attention_varlen_ref, attention_varlen_ref_grads
+from flash_attn_hopper.testing import assert_close_by_rule, attention_varlen_ref
 from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import check_attention_varlen as _check_attention_varlen
 from gpu_helpers import poison_allocator as _poison_allocator
 from gpu_helpers import randn as _randn
 from gpu_helpers import require_built as _require_built
@@ -32,37 +33,21 @@ def _inputs(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, extra_q=0, 
 
 
 def _run_and_check(q, k, v, dout, cu_q, cu_k, max_q, max_k, name, dlse=None, **opts):
-    """Forward and backward against the reference; rows no sequence covers and rows that see no key: out and dQ 0,
-    LSE -inf; dK, dV of key rows past cu_seqlens_k[-1] 0. Inputs unmodified."""
+    """Forward and backward against the reference (gpu_helpers.check_attention_varlen: out, LSE, dQ, dK, dV by the
+    rule, rows that see no key: out and dQ 0, LSE -inf); dK, dV of key rows past cu_seqlens_k[-1] 0; memory poisoned
+    before each pass; inputs unmodified."""
     before = [t.clone() for t in (q, k, v, dout, cu_q, cu_k)]
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     e = q.element_size()
     _poison_allocator(q.numel() * e, k.numel() * e, q.shape[0] * q.shape[1] * 4)
     out, lse = attention_varlen(*leaves, cu_q, cu_k, max_q, max_k, return_lse=True, **opts)
-    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (q.shape[1], q.shape[0])
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
-    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
-    assert_close_by_rule(out, ref, naive, f"{name} out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
-    empty = torch.isneginf(ref_lse).transpose(0, 1)  # (total_q, nheads)
-    if empty.any():
-        rows = out.detach()[empty]
-        assert torch.equal(rows, torch.zeros_like(rows)), f"{name}: rows that see no key are not exactly 0"
-
     _poison_allocator(q.numel() * e, k.numel() * e)
     outputs, grads_in = [out], [dout]
     if dlse is not None:
         outputs.append(lse)
         grads_in.append(dlse)
     grads = torch.autograd.grad(outputs, leaves, grads_in)
-    ref_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=True, dlse=dlse, **opts)
-    naive_g = attention_varlen_ref_grads(q, k, v, dout, cu_q, cu_k, upcast=False, dlse=dlse, **opts)
-    for gname, g, r, n in zip(("dq", "dk", "dv"), grads, ref_g, naive_g):
-        assert g.shape == r.shape and g.dtype == q.dtype, gname
-        assert_close_by_rule(g, r, n, f"{name} {gname}")
-    if empty.any():
-        rows = grads[0][empty]
-        assert torch.equal(rows, torch.zeros_like(rows)), f"{name}: dQ rows that see no key are not exactly 0"
+    _check_attention_varlen(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, name, dlse=dlse, **opts)
     last_k = int(cu_k[-1])
     for gname, g in (("dk", grads[1]), ("dv", grads[2])):
         tail = g[last_k:]

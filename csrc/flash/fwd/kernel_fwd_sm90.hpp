@@ -263,7 +263,8 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   auto thr_mma_qk_half = tiled_mma_qk_half.get_thread_slice(mma_tidx);
   Tensor tSrQh = thr_mma_qk_half.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K)
   Tensor tSrKh = thr_mma_qk_half.partition_fragment_B(sK);  // (MMA, MMA_N = 2, MMA_K, stages)
-  auto S_half = [&] { return partition_fragment_C(tiled_mma_qk_half, Shape<Int<kBlockM>, Int<kBlockN / 2>>{}); };
+  using SHalfLayout =  // one half's accumulator fragment, laid over the registers of S (kSplitQK)
+      decltype(partition_fragment_C(tiled_mma_qk_half, Shape<Int<kBlockM>, Int<kBlockN / 2>>{}).layout());
 
   Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -359,8 +360,8 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       if constexpr (kSplitQK) {
         // Each half of S is its own commit group: the tanh of the first runs while the second is computed.
         constexpr int kHalf = decltype(size(tSrS))::value / 2;
-        Tensor s0 = make_tensor(tSrS.data(), typename decltype(S_half())::layout_type{});
-        Tensor s1 = make_tensor(tSrS.data() + kHalf, typename decltype(S_half())::layout_type{});
+        Tensor s0 = make_tensor(tSrS.data(), SHalfLayout{});
+        Tensor s1 = make_tensor(tSrS.data() + kHalf, SHalfLayout{});
         int const stage = k_state.index();
         warpgroup_fence_operand(tSrS);
         CUTLASS_PRAGMA_UNROLL
