@@ -112,7 +112,9 @@ def _check_sm90(name, device):
 
 def _check_scale(softmax_scale, head_dim):
     if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        # int(): under torch.compile(dynamic=True) head_dim is symbolic; the kernels are per head_dim anyway, and a
+        # symbolic scale would reach math functions dynamo cannot trace (a guard on head_dim instead).
+        return 1.0 / math.sqrt(int(head_dim))
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
     softmax_scale = float(softmax_scale)
@@ -186,7 +188,9 @@ def _check_softcap(softcap, softmax_scale):
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     softcap = float(softcap)
-    if not (math.isfinite(softcap) and softcap >= 0):
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) softcap may be a symbolic float (NaN fails
+    # both tests).
+    if not (0 <= softcap < math.inf):
         raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
     if softcap > 0:
         # The kernels take softcap * log2(e) and softmax_scale / softcap as normal float32 values.
@@ -446,6 +450,13 @@ def _cu_seqlens_summary(name, cu):
     cached = _CHECKED_CU_SEQLENS.get(cu)
     if cached is not _ValueNotes.MISSING:
         return cached
+    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A device-to-host copy is not allowed while a CUDA graph is captured (it would invalidate the capture).
+        raise RuntimeError(
+            f"attention_varlen checks {name} on the host, which cannot happen while a CUDA graph is captured: call it "
+            f"once outside the capture with this same {name} tensor (unchanged since), then capture. A replay must "
+            f"keep {name}[-1]: the rows past it were cut off at capture"
+        )
     values = cu.tolist()  # one small device-to-host copy
     if values[0] < 0:
         raise ValueError(f"{name} must start at an offset >= 0, got {values[0]}")

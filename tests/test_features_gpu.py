@@ -146,6 +146,21 @@ def test_softcap(dtype, head_dim, causal):
     _run_and_check(q, k, v, dout, f"softcap causal={causal}", causal=causal, softcap=15.0)
 
 
+@pytest.mark.parametrize(
+    "seqlen_q, seqlen_k, causal",
+    [(300, 512, False), (64, 128, False), (1000, 1024, False), (129, 640, True), (640, 640, True)],
+)
+@pytest.mark.parametrize("cap", [15.0, 30.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_softcap_whole_key_blocks(dtype, cap, seqlen_q, seqlen_k, causal):
+    """seqlen_k a multiple of 128: key blocks without a mask, the first one a tile visits included (bf16 head_dim 128
+    with cap <= 30 takes the exponentials and row sums of QKᵀ's first half before its second half lands there), next
+    to the masked causal blocks. Inputs scaled by 2 so scores reach the cap's curved part."""
+    _require_built(128, dtype)
+    q, k, v, dout = _inputs(2, seqlen_q, seqlen_k, 3, 3, 128, dtype, scale=2.0)
+    _run_and_check(q, k, v, dout, f"softcap {cap} {seqlen_q}x{seqlen_k} causal={causal}", causal=causal, softcap=cap)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_softcap_with_window_and_gqa(dtype):
     """Each dtype (both compute tanh with tanh.approx.f32, whose error is about one fp16 rounding)."""
