@@ -5,7 +5,7 @@ activation checkpointing and saved-tensor hooks, in-place changes of saved tenso
 sequences (decoding against 2^18 keys, 70k-token causal attention, key rows past 2^31 elements in one sequence),
 varlen with a loose max_seqlen or strided inputs, torch.compile with dynamic shapes, and several attention nodes in
 one autograd graph. The report each test comes from is cited by URL in the comment above it (see also
-/work/bug_hunt.md); only the shapes and conditions of the reports are taken over, the code is this project's own.
+tests/bug_report_sources.md); only the shapes and conditions of the reports are taken over, the code is this project's own.
 
 Every result is checked by the rule of DESIGN.md §3 (``assert_close_by_rule`` against the float32 reference, the
 error of the same reference run in the input dtype as the yardstick); outputs and gradients come from NaN-poisoned
