@@ -112,8 +112,8 @@ def _check_sm90(name, device):
 
 def _check_scale(softmax_scale, head_dim):
     if softmax_scale is None:
-        # int(): under torch.compile(dynamic=True) head_dim is symbolic; the kernels are per head_dim anyway, and a
-        # symbolic scale would reach math functions dynamo cannot trace (a guard on head_dim instead).
+        # int(): under torch.compile(dynamic=True) head_dim is symbolic; the kernels are per head_dim anyway, so the
+        # graph specialises on it and the op gets a plain float scale.
         return 1.0 / math.sqrt(int(head_dim))
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
@@ -387,8 +387,16 @@ def document_bounds(document_ids):
     return torch.stack([doc_start, doc_end], dim=-1).to(torch.int32).contiguous()
 
 
+def _capturing(device):
+    """Whether the current stream of `device` (a CUDA device) is being captured into a CUDA graph."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def _document_bounds(document_ids, compiling):
-    if compiling:
+    # Under torch.compile, and inside a CUDA graph capture (so that a replay recomputes them from the ids it finds),
+    # the bounds are computed every call instead of coming from the cache.
+    if compiling or (document_ids.is_cuda and _capturing(document_ids.device)):
         return document_bounds(document_ids)
     bounds = _DOCUMENT_BOUNDS.get(document_ids)
     if bounds is _ValueNotes.MISSING:
@@ -450,13 +458,6 @@ def _cu_seqlens_summary(name, cu):
     cached = _CHECKED_CU_SEQLENS.get(cu)
     if cached is not _ValueNotes.MISSING:
         return cached
-    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
-        # A device-to-host copy is not allowed while a CUDA graph is captured (it would invalidate the capture).
-        raise RuntimeError(
-            f"attention_varlen checks {name} on the host, which cannot happen while a CUDA graph is captured: call it "
-            f"once outside the capture with this same {name} tensor (unchanged since), then capture. A replay must "
-            f"keep {name}[-1]: the rows past it were cut off at capture"
-        )
     values = cu.tolist()  # one small device-to-host copy
     if values[0] < 0:
         raise ValueError(f"{name} must start at an offset >= 0, got {values[0]}")
@@ -562,11 +563,17 @@ def attention_varlen(
     _ops.require_extension()
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
             softcap, deterministic)
+    # Under torch.compile and inside a CUDA graph capture, cu_seqlens are not read on the host (a capture forbids the
+    # copy; a replay must follow the values it finds): the kernels take every row, read the boundaries on the device
+    # and write the rows outside the sequences themselves. The values are then the caller's to get right.
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
     _check_sm90("q", q.device)
     _check_compiled(q.shape[-1], q.dtype, v.shape[-1])
+    if _capturing(q.device):
+        out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
+        return (out, lse) if return_lse else out
     last = {}
     for name, cu, rows, max_name, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),

@@ -178,23 +178,76 @@ def test_cuda_graph_varlen_new_boundaries_on_replay():
         assert torch.equal(tail, torch.zeros_like(tail)), "rows past the last sequence are not 0 after replay"
 
 
-def test_cuda_graph_varlen_capture_without_a_host_check_raises_clearly():
-    """Capturing attention_varlen with cu_seqlens it has not checked yet (the check reads them on the host, which a
-    capture forbids) raises a RuntimeError that says so and names the tensor, instead of CUDA's "operation not
-    permitted when stream is capturing" that invalidates the capture; eager calls work afterwards."""
+def test_cuda_graph_varlen_capture_with_unseen_cu_seqlens():
+    """attention_varlen captured with cu_seqlens it has never seen (made under inference_mode, as a decoding server
+    would) and whose capture-time last entry is below the rows of q and k; replays move the boundaries, the last entry
+    both below and at its capture value and then up to every row. Inside a capture nothing reads cu_seqlens on the
+    host (that copy would invalidate the capture), so every replay must follow the device values: out and LSE by the
+    rule, rows outside the sequences 0 / -inf."""
     head_dim = 128
     dtype = built_dtype(head_dim)
-    cu_q, cu_k = cu_seqlens([70, 130]), cu_seqlens([90, 110])
-    q, k, v = (randn(200, 2, head_dim, dtype=dtype) for _ in range(3))
+    total, nheads = 300, 2
+    max_q = max_k = 200
+    with torch.inference_mode():
+        cu_q, cu_k = cu_seqlens([70, 130]), cu_seqlens([90, 110])  # both end at row 200 of 300
+    q, k, v = (randn(total, nheads, head_dim, dtype=dtype) for _ in range(3))
+    # PyTorch's recipe: warm up on a side stream first (here with other cu_seqlens tensors), then capture.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_varlen(q, k, v, cu_seqlens([70, 130]), cu_seqlens([90, 110]), max_q, max_k, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="cu_seqlens_q .*CUDA graph is captured"):
-        with torch.cuda.graph(graph):
-            attention_varlen(q, k, v, cu_q, cu_k, 130, 110)
-    torch.cuda.synchronize()
-    out = attention_varlen(q, k, v, cu_q, cu_k, 130, 110)
-    ref, _ = attention_varlen_ref(q, k, v, cu_q, cu_k)
-    naive, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False)
-    assert_close_by_rule(out, ref, naive, "eager after a refused capture")
+    with torch.cuda.graph(graph):
+        out, lse = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+    for lq, lk in (([70, 130], [90, 110]), ([150, 10], [20, 180]), ([120, 180], [200, 100])):
+        assert max(lq) <= max_q and max(lk) <= max_k and sum(lq) <= total and sum(lk) <= total
+        with torch.inference_mode():
+            cu_q.copy_(cu_seqlens(lq))
+            cu_k.copy_(cu_seqlens(lk))
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        _nan_fill_(out, lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True)
+        naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)
+        assert_close_by_rule(out, ref, naive, f"replay {lq}/{lk} out")
+        assert_close_by_rule(lse, ref_lse, naive_lse, f"replay {lq}/{lk} lse")
+        tail = out[sum(lq):]
+        assert torch.equal(tail, torch.zeros_like(tail)), f"replay {lq}/{lk}: rows past the last sequence are not 0"
+
+
+def test_cuda_graph_documents_new_ids_on_replay():
+    """attention with document_ids captured after a warm-up call with the same ids tensor (which caches its document
+    bounds), then replayed with other ids written into that tensor: inside a capture the bounds are computed in the
+    graph from the ids, so each replay follows the ids it finds. Out and LSE by the rule."""
+    head_dim = 128
+    dtype = built_dtype(head_dim)
+
+    def doc_ids(rows):
+        return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows]).to(
+            device="cuda", dtype=torch.int32)
+
+    q, k, v, _ = attention_inputs(2, 500, 500, 2, 2, head_dim, dtype)
+    ids = doc_ids([[200, 300], [100, 400]])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention(q, k, v, causal=True, document_ids=ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = attention(q, k, v, causal=True, return_lse=True, document_ids=ids)
+    for rows in ([[200, 300], [100, 400]], [[50, 150, 300], [499, 1, 0]], [[500], [250, 250]]):
+        ids.copy_(doc_ids([[n for n in r if n] for r in rows]))
+        _nan_fill_(out, lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_ref(q, k, v, causal=True, document_ids=ids)
+        naive, naive_lse = attention_ref(q, k, v, causal=True, document_ids=ids, upcast=False)
+        assert_close_by_rule(out, ref, naive, f"documents replay {rows} out")
+        assert_close_by_rule(lse, ref_lse, naive_lse, f"documents replay {rows} lse")
 
 
 # ----------------------------------------------------------------------------------- autocast and inference mode
@@ -331,12 +384,20 @@ def test_saved_tensor_hooks(hooks):
     q, k, v, dout = attention_inputs(2, 203, 300, 4, 2, head_dim, dtype)
     dlse = torch.randn(2, 4, 203, device="cuda")
     leaves = _leaves(q, k, v)
+    packed = []  # the tensors the pack hook saw
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.clone()
+
     if hooks == "save_on_cpu":
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
     else:
-        ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     with ctx:
         out, lse = attention(*leaves, causal=True, return_lse=True)
+    if hooks == "clone":  # q, k, v, out and LSE went through the hook
+        assert len(packed) >= 5, f"the pack hook saw {len(packed)} tensors: {packed}"
     poison_allocator(q.numel() * q.element_size(), k.numel() * k.element_size(), 2 * 4 * 203 * 4)
     grads = torch.autograd.grad([out, lse], leaves, [dout, dlse])
     check_attention(out.detach(), lse.detach(), grads, q, k, v, dout, f"hooks {hooks}", dlse=dlse, causal=True)
@@ -564,8 +625,8 @@ def test_key_rows_beyond_int32_in_one_sequence():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_max_seqlen_above_the_longest(causal):
     """max_seqlen_q / max_seqlen_k far above the longest sequence (and above the total token counts), as callers
-    pass an upper bound to avoid a host sync: the same results, forward and backward by the rule, as with the exact
-    maxima, including an empty query sequence and one without keys."""
+    pass an upper bound to avoid a host sync: forward and backward by the rule at two loose bounds, including an empty
+    query sequence and one without keys."""
     head_dim = 128
     dtype = built_dtype(head_dim)
     lq, lk = [300, 0, 129, 77, 5], [257, 33, 129, 500, 0]

@@ -153,9 +153,9 @@ def test_softcap(dtype, head_dim, causal):
 @pytest.mark.parametrize("cap", [15.0, 30.0])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_softcap_whole_key_blocks(dtype, cap, seqlen_q, seqlen_k, causal):
-    """seqlen_k a multiple of 128: key blocks without a mask, the first one a tile visits included (bf16 head_dim 128
-    with cap <= 30 takes the exponentials and row sums of QKᵀ's first half before its second half lands there), next
-    to the masked causal blocks. Inputs scaled by 2 so scores reach the cap's curved part."""
+    """seqlen_k a multiple of 128: key blocks without a mask, the first one a tile visits included, next to the
+    masked causal blocks (bf16 head_dim 128 with cap <= 30 runs the fixed-maximum softmax on QKᵀ in two halves).
+    Inputs scaled by 2 so scores reach the cap's curved part."""
     _require_built(128, dtype)
     q, k, v, dout = _inputs(2, seqlen_q, seqlen_k, 3, 3, 128, dtype, scale=2.0)
     _run_and_check(q, k, v, dout, f"softcap {cap} {seqlen_q}x{seqlen_k} causal={causal}", causal=causal, softcap=cap)
