@@ -528,8 +528,9 @@ def attention_varlen(
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
-    the layers of a model step reuse the check); under torch.compile that check is skipped and the values are trusted,
-    and rows past the last sequence must then hold finite values (a last partial tile loads them). In every mode the
+    the layers of a model step reuse the check); under torch.compile and inside a CUDA graph capture (where a replay
+    reads the boundaries it finds on the device) that check is skipped and the values are trusted, and rows past the
+    last sequence must then hold finite values (a last partial tile loads them). In every mode the
     tokens of one sequence must be finite for its neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """

@@ -26,52 +26,20 @@ from flash_attn_hopper.testing import (
 )
 from gpu_helpers import attention_inputs, bits, built_dtype, check_attention, check_attention_varlen
 from gpu_helpers import cu_seqlens, poison_allocator, randn, require_built, run_attention
+from test_bug_reports_gpu import DTYPE_IDS, DTYPES, GRAD_NAMES
+from test_bug_reports_gpu import _leaves, _require_free_memory, _varlen_inputs, _varlen_run
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
-DTYPES = [torch.float16, torch.bfloat16]
-DTYPE_IDS = ["fp16", "bf16"]
-GRAD_NAMES = ("dq", "dk", "dv")
-
 
 # ------------------------------------------------------------------------------------------------------- helpers
-
-
-def _leaves(*tensors):
-    """Leaves that require grad and share the tensors' memory and strides."""
-    return [t.detach().requires_grad_(True) for t in tensors]
-
-
-def _varlen_inputs(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype):
-    q = randn(sum(lengths_q), nheads, head_dim, dtype=dtype)
-    k = randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype)
-    v = randn(sum(lengths_k), nheads_k, head_dim, dtype=dtype)
-    dout = randn(sum(lengths_q), nheads, head_dim, dtype=dtype)
-    return q, k, v, dout
-
-
-def _varlen_run(q, k, v, dout, cu_q, cu_k, max_q, max_k, **opts):
-    """attention_varlen forward and backward on leaves, NaN poisoned before each pass: (out, lse, (dq, dk, dv))."""
-    leaves = _leaves(q, k, v)
-    e = q.element_size()
-    poison_allocator(q.shape[0] * q.shape[1] * v.shape[-1] * e, q.shape[0] * q.shape[1] * 4)
-    out, lse = attention_varlen(*leaves, cu_q, cu_k, max_q, max_k, return_lse=True, **opts)
-    poison_allocator(q.numel() * e, k.numel() * e, v.numel() * e)
-    grads = torch.autograd.grad(out, leaves, dout)
-    return out.detach(), lse.detach(), grads
+# (_leaves, _varlen_inputs, _varlen_run, _require_free_memory: tests/test_bug_reports_gpu.py)
 
 
 def _nan_fill_(*tensors):
     with torch.no_grad():
         for t in tensors:
             t.fill_(float("nan"))
-
-
-def _require_free_memory(nbytes):
-    torch.cuda.empty_cache()  # blocks cached by earlier tests do not count as free
-    free, _ = torch.cuda.mem_get_info()
-    if free < nbytes:
-        pytest.skip(f"needs {nbytes / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.0f} GiB free")
 
 
 def _give_memory_back(body, *args):
