@@ -53,6 +53,7 @@ struct FwdKernelTraits {
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kTurnBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;  // the waiter and the previous
+  static constexpr int kEpilogueBarrier = 2 + NumMmaWarpGroups;  // named barriers: turns 2 + w, epilogue this + w
   // setmaxnreg budgets within the 65536 registers per SM: two consumer warpgroups 56 * 128 + 224 * 256 = 64512 (24
   // made the producer spill); three 32 * 128 + 160 * 384 = 65536.
   static_assert(NumMmaWarpGroups == 2 || NumMmaWarpGroups == 3, "register budgets for two or three consumers");
@@ -84,6 +85,15 @@ struct FwdKernelTraits {
       SmemLayoutKV{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
+  // Epilogue through shared memory and a TMA store: persistent configurations with two consumer warpgroups. Head_dim
+  // 192 and 256 have no shared memory left for it; head_dim 64's three 160-register consumers spilled 50-100 B more
+  // with it (ptxas). Those keep direct stores. Each warpgroup's 64 rows are one contiguous SmemLayoutOWG block (rows
+  // contiguous within a swizzle atom's width, so a TMA box spans all 64), stored by that warpgroup alone.
+  static constexpr bool kTmaStoreO = kPersistent && NumMmaWarpGroups == 2;
+  using SmemLayoutOWG = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, Int<kHeadDim>>{}));
+  using SmemLayoutO = decltype(tile_to_shape(SmemLayoutOWG{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  static_assert(cute::cosize_v<SmemLayoutO> == NumMmaWarpGroups * cute::cosize_v<SmemLayoutOWG>);
+
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
@@ -95,6 +105,7 @@ struct FwdKernelTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
+    cute::array_aligned<Element, kTmaStoreO ? cute::cosize_v<SmemLayoutO> : 1, 1024> smem_o;
     cutlass::arch::ClusterTransactionBarrier barrier_q[kQBuffers];  // Q of a tile loaded (and tile_idx written)
     cutlass::arch::ClusterBarrier barrier_q_empty[kQBuffers];       // consumers done with that sQ and tile_idx
     typename Pipeline::SharedStorage pipeline_k;
@@ -115,14 +126,20 @@ struct FwdKernelTraits {
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using GmemTensorO = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                           make_layout(ShapeQKV{}, StrideQKV{})));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorO{}, SmemLayoutOWG{},
+                                      Shape<_64, Int<kHeadDim>>{}, _1{}));
 
   struct Params {
     TmaQ tma_q;
     TmaKV tma_k;
     TmaKV tma_v;
+    TmaO tma_o;  // kTmaStoreO: O as (seqlen or total rows, head_dim_v, nheads, batch)
     ShapeQKV shape_q;
     ShapeQKV shape_k;
     ShapeQKV shape_v;  // head_dim_v in place of head_dim
+    ShapeQKV shape_o;
     Element* o_ptr;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
     int head_dim_v;  // V's and O's, <= kHeadDim (a multiple of 8): O columns at or past it are not written
@@ -221,6 +238,64 @@ CUTLASS_DEVICE void stage_wait(PipelineStorage& storage, State const& state) {
 template <class PipelineStorage, class State>
 CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) {
   storage.empty_barrier_[state.index()].arrive();
+}
+
+// The epilogue's O through shared memory (Traits::kTmaStoreO): a warpgroup writes its 64 rows of O (bf16/fp16
+// accumulator fragment tOrO_out) into its block of smem_o, then one thread stores them with TMA. A TMA store clips at
+// the tensor's rows, i.e. at seqlen_q for dense batches but only at the last packed row for varlen, so a varlen slab
+// that reaches past its sequence (into the next one) is copied out by the warpgroup's threads, 16 bytes each, rows
+// checked. The thread that issued a TMA store waits for its reads before the warpgroup writes the block again.
+template <class Traits, class TiledMmaPV, class FragO>
+CUTLASS_DEVICE void fwd_store_o_smem(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
+                                     TiledMmaPV const& tiled_mma_pv, FragO const& tOrO_out, int mma_tidx, int m_block,
+                                     int bidh, SeqlenInfo const& info) {
+  using Element = typename Traits::Element;
+  using LayoutWG = typename Traits::SmemLayoutOWG;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
+  int const wg_tidx = mma_tidx % cutlass::NumThreadsPerWarpGroup;
+  // Opaque copies: without them the compiler computes the per-thread shared-memory addresses before the key-block
+  // loop and keeps them live through it (head_dim 128: 140 B of spills).
+  Element* smem_o = ss.smem_o.data();
+  int tidx = mma_tidx;
+  asm volatile("" : "+l"(smem_o), "+r"(tidx));
+  Tensor sO = make_tensor(make_smem_ptr(smem_o), typename Traits::SmemLayoutO{});
+  auto smem_tiled_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_pv);
+  auto smem_thr_copy_o = smem_tiled_copy_o.get_thread_slice(tidx);
+  Tensor taccOrO = smem_thr_copy_o.retile_S(tOrO_out);
+  Tensor taccOsO = smem_thr_copy_o.partition_D(sO);
+  if (wg_tidx == 0) { tma_store_wait<0>(); }
+  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, Traits::kEpilogueBarrier + wg);
+  cute::copy(smem_tiled_copy_o, taccOrO, taccOsO);
+  int const row0 = m_block * Traits::kBlockM + wg * 64;  // this warpgroup's first row in the sequence
+  bool const whole = params.cu_seqlens_q == nullptr || row0 + 64 <= info.seqlen_q;
+  if (whole) { tma_store_fence(); }  // the generic-proxy writes above, before the async proxy reads them
+  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, Traits::kEpilogueBarrier + wg);
+  Tensor sO_wg = make_tensor(make_smem_ptr(smem_o + wg * cute::cosize_v<LayoutWG>), LayoutWG{});  // (64, d)
+  if (whole) {
+    if (wg_tidx == 0) {
+      Tensor mO = domain_offset(make_coord(info.offset_q, _0{}),
+                                params.tma_o.get_tma_tensor(params.shape_o)(_, _, bidh, info.bidb));
+      Tensor gO = local_tile(mO, Shape<_64, Int<kHeadDim>>{}, make_coord(row0 / 64, _0{}));  // (64, d)
+      auto [tOgO, tOsO] =
+          tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO_wg), group_modes<0, 2>(gO));
+      copy(params.tma_o, tOsO, tOgO);
+      tma_store_arrive();
+    }
+  } else {
+    // 16-byte chunks: 8 columns each, contiguous in shared memory too (the swizzle moves whole 16-byte units).
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    Element* o_base = params.o_ptr + info.bidb * params.o_batch_stride + int64_t(info.offset_q) * params.o_row_stride +
+                      bidh * params.o_head_stride;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int i = wg_tidx; i < 64 * kChunksPerRow; i += cutlass::NumThreadsPerWarpGroup) {
+      int const r = i / kChunksPerRow, col = (i % kChunksPerRow) * 8;
+      if (row0 + r < info.seqlen_q && col < params.head_dim_v) {
+        *reinterpret_cast<uint4*>(o_base + int64_t(row0 + r) * params.o_row_stride + col) =
+            *reinterpret_cast<uint4 const*>(&sO_wg(r, col));
+      }
+    }
+  }
 }
 
 // How raw scores enter the softmax: no softcap; softcap with the online maximum; softcap with a fixed maximum (bf16
@@ -427,36 +502,45 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     ss.barrier_q_empty[q_buf].arrive();
   }
 
-  // Epilogue: O / l and LSE, straight from registers (rows past seqlen_q and columns past head_dim_v are not
-  // written).
+  // Epilogue: O / l and LSE (rows past seqlen_q and columns past head_dim_v are not written).
   cute::array<float, kRows> lse;
   auto inv_sum = softmax.finalize(params.score_scale, lse);
   OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
   Tensor tOrO_out = convert_type<Element>(tOrO);
-  Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor c = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  Element* o_base = params.o_ptr + info.bidb * params.o_batch_stride + info.offset_q * params.o_row_stride +
-                    bidh * params.o_head_stride;
-  float* lse_base =
-      params.lse_ptr + info.bidb * params.lse_batch_stride + bidh * params.lse_head_stride + info.offset_q;
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    int const row = m_block * kBlockM + get<0>(c(r, 0));
-    if (row < info.seqlen_q) {
-      Element* o_row = o_base + row * params.o_row_stride;
-      // Columns come in adjacent pairs: one 32-bit store each.
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(o); j += 2) {
-        int const col = get<1>(c(r, j));
-        if (col < params.head_dim_v) {  // col is even and head_dim_v a multiple of 8: the pair is in or out whole
-          cutlass::Array<Element, 2> pair;
-          pair[0] = o(r, j);
-          pair[1] = o(r, j + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
+  if constexpr (Traits::kTmaStoreO) {
+    fwd_store_o_smem<Traits>(params, ss, tiled_mma_pv, tOrO_out, mma_tidx, m_block, bidh, info);
+  } else {
+    Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
+    Element* o_base = params.o_ptr + info.bidb * params.o_batch_stride + info.offset_q * params.o_row_stride +
+                      bidh * params.o_head_stride;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int const row = m_block * kBlockM + get<0>(c(r, 0));
+      if (row < info.seqlen_q) {
+        Element* o_row = o_base + row * params.o_row_stride;
+        // Columns come in adjacent pairs: one 32-bit store each.
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(o); j += 2) {
+          int const col = get<1>(c(r, j));
+          if (col < params.head_dim_v) {  // col is even and head_dim_v a multiple of 8: the pair is in or out whole
+            cutlass::Array<Element, 2> pair;
+            pair[0] = o(r, j);
+            pair[1] = o(r, j + 1);
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
+          }
         }
       }
-      if (mma_tidx % 4 == 0) { lse_base[row] = lse[r]; }
+    }
+  }
+  float* lse_base =
+      params.lse_ptr + info.bidb * params.lse_batch_stride + bidh * params.lse_head_stride + info.offset_q;
+  if (mma_tidx % 4 == 0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int const row = m_block * kBlockM + get<0>(c(r, 0));
+      if (row < info.seqlen_q) { lse_base[row] = lse[r]; }
     }
   }
 }
@@ -553,6 +637,10 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
                                           n_block_max);
       }
       if constexpr (!Traits::kPersistent) { break; }
+    }
+    // Shared memory must outlive the reads of the last TMA store of O.
+    if constexpr (Traits::kTmaStoreO) {
+      if (mma_tidx % cutlass::NumThreadsPerWarpGroup == 0) { tma_store_wait<0>(); }
     }
     // The last warpgroup's last hand-over is left on warpgroup 0's barrier: take it.
     if (params.pingpong && wg == 0) { cutlass::arch::NamedBarrier::sync(Traits::kTurnBarrierThreads, 2 + 0); }

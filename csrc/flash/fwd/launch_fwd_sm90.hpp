@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include <cuda_runtime.h>
@@ -17,6 +18,15 @@
 #include "flash/params.hpp"
 
 namespace flash {
+
+// kFwdPersistentMaxKeyBlocks, or FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS (development A/B; read once per process).
+inline int fwd_persistent_max_key_blocks() {
+  static int const value = [] {
+    char const* v = std::getenv("FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS");
+    return v == nullptr ? kFwdPersistentMaxKeyBlocks : std::atoi(v);
+  }();
+  return value;
+}
 
 template <class Element, int kHeadDim, class Cfg>
 cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
@@ -39,7 +49,7 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   // Persistent when the build has it and each tile sees few key blocks (config.hpp, kFwdPersistentMaxKeyBlocks).
   int64_t const keys_per_tile = std::min<int64_t>(p.seqlen_k, int64_t(window_left) + window_right + Traits::kBlockM);
   bool const persistent = Traits::kPersistent && p.tile_counter != nullptr &&
-                          cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= kFwdPersistentMaxKeyBlocks;
+                          cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= fwd_persistent_max_key_blocks();
   // Varlen: the packed rows as one batch element; sequences are found by row offsets in the kernel.
   bool const varlen = p.cu_seqlens_q != nullptr;
   if (varlen != (p.cu_seqlens_k != nullptr)) { return cudaErrorInvalidValue; }
@@ -50,6 +60,8 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   auto mQ = gmem(p.q_ptr, rows_q, p.head_dim, p.nheads, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto mK = gmem(p.k_ptr, rows_k, p.head_dim, p.nheads_k, p.k_row_stride, p.k_head_stride, p.k_batch_stride);
   auto mV = gmem(p.v_ptr, rows_k, p.head_dim_v, p.nheads_k, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  auto mO_in = gmem(p.o_ptr, rows_q, p.head_dim_v, p.nheads, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
+  auto mO = make_tensor(make_gmem_ptr(static_cast<Element*>(p.o_ptr)), mO_in.layout());
 
   typename Traits::Params kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Traits::SmemLayoutQ{},
@@ -58,9 +70,11 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
                     Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(typename Traits::SmemLayoutKV{}),
                     Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, mO, typename Traits::SmemLayoutOWG{}, Shape<_64, Int<kHeadDim>>{}, _1{}),
       mQ.shape(),
       mK.shape(),
       mV.shape(),
+      mO.shape(),
       static_cast<Element*>(p.o_ptr),
       p.o_batch_stride,
       p.o_row_stride,
