@@ -1,6 +1,6 @@
 """The forward's per-tile fixed cost (head_dim 128 bf16, 16 heads): time against key blocks per tile at a fixed
 tile count (seqlen_q fixed, seqlen_k varied), a least-squares line t = a + b * n per tile per SM, and a in units of b
-(key blocks). Also dense points at given seqlens. Usage: tile_cost.py [seqlen_q] [batch] [--dense s1,s2,...]"""
+(key blocks). Also dense points at given seqlens. Usage: tile_cost.py [seqlen_q] [batch] [--dense s1,s2,... [--causal]]"""
 import sys
 
 import torch
@@ -24,10 +24,12 @@ def bench(b, sq, sk, causal=False, window=(-1, -1)):
 
 
 if "--dense" in sys.argv:
+    causal = "--causal" in sys.argv
     for s in (int(x) for x in sys.argv[sys.argv.index("--dense") + 1].split(",")):
         b = max(1, 16384 // s)
-        ms = bench(b, s, s)
-        print(f"dense s={s:6d} b={b:3d}: {ms * 1e3:9.1f} us {4 * b * h * s * s * hd / ms / 1e9:6.0f} TFLOP/s")
+        ms = bench(b, s, s, causal=causal)
+        flops = 4 * b * h * s * s * hd / (2 if causal else 1)
+        print(f"dense{' causal' if causal else ''} s={s:6d} b={b:3d}: {ms * 1e3:9.1f} us {flops / ms / 1e9:6.0f} TFLOP/s")
     sys.exit(0)
 
 tiles = batch * h * ((sq + 127) // 128)

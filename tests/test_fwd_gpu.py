@@ -72,6 +72,19 @@ def test_fwd_matches_reference(dtype, head_dim, causal, seqlen_q, seqlen_k):
     _check(out, lse, q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+def test_epilogue_many_tiles_per_cta(head_dim, causal):
+    """The epilogue stores O through shared memory with TMA (csrc/flash/fwd/kernel_fwd_sm90.hpp, fwd_store_o_smem).
+    Many more tiles than SMs, so each persistent CTA reuses its O buffer tile after tile (a missing wait for the last
+    TMA store's reads would corrupt rows), and seqlen_q 333 is not a multiple of 64, so the last store of every
+    (batch, head) is clipped at seqlen_q and must not write into the next batch element's rows."""
+    dtype = _built_dtype(head_dim)
+    q, k, v = _qkv(24, 333, 200, 6, head_dim, dtype)
+    out, lse = _call(q, k, v, causal=causal)
+    _check(out, lse, q, k, v, causal=causal, name=f"hdim{head_dim}")
+
+
 # ------------------------------------------------------------------------------------------------ layouts
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 H200_SMS = 132
 HEADROOM = 256  # kWindowHeadroom
-COST_FULL, COST_MASKED = 0.88, 0.95  # kFwd64WideCostFull / kFwd64WideCostMasked (csrc/flash/config.hpp)
+COST_FULL, COST_MASKED = 0.94, 0.95  # kFwd64WideCostFull / kFwd64WideCostMasked (csrc/flash/config.hpp)
 
 
 def block_m(head_dim, seqlen_q, seqlen_k, causal=False, window=(-1, -1), batch=8, nheads=16, sms=H200_SMS,
@@ -82,11 +82,13 @@ def test_matches_the_port_over_shapes_and_masks():
 @pytest.mark.parametrize(
     "seqlen,causal,expected",
     [(512, True, 128), (1024, True, 128), (2048, True, 128), (4096, True, 128), (8192, True, 192),
-     (16384, True, 192), (512, False, 192), (2048, False, 192), (16384, False, 192)],
+     (16384, True, 192), (512, False, 128), (1024, False, 128), (4096, False, 192), (8192, False, 192),
+     (16384, False, 192)],
 )
 def test_h200_measured_cases(seqlen, causal, expected):
-    """The paper grid's shapes (batch x seqlen = 16384 tokens, 32 heads of 64): the faster height in session 5's
-    forced A/B (run 6), except non-causal 1024, a tie (386 vs 388 TFLOP/s), not asserted."""
+    """The paper grid's shapes (batch x seqlen = 16384 tokens, 32 heads of 64): the faster height in session 13's
+    forced A/B (run 3, after the 128-row tiles took the TMA-store epilogue), except non-causal 2048, a tie (436 vs 438
+    TFLOP/s), not asserted."""
     assert block_m(64, seqlen, seqlen, causal, batch=16384 // seqlen, nheads=32) == expected
 
 

@@ -129,6 +129,20 @@ def test_varlen_many_sequences_persistent():
     _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "many", causal=True)
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_varlen_epilogue_slabs(head_dim):
+    """The forward stores O of a warpgroup's 64 rows with one TMA store when they lie inside their sequence and copies
+    them out row by row when they reach past its end (TMA would write into the next sequence's rows): lengths around
+    the multiples of 64, in an order that puts both kinds of slab in one CTA's run of tiles, 150 sequences."""
+    dtype = _built_dtype(head_dim)
+    edges = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256]
+    gen = torch.Generator().manual_seed(7)
+    lq = [edges[i] for i in torch.randint(0, len(edges), (150,), generator=gen).tolist()]
+    lk = torch.randint(1, 300, (150,), generator=gen).tolist()
+    q, k, v, dout = _inputs(lq, lk, 4, 2, head_dim, dtype)
+    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), f"slabs hdim{head_dim}")
+
+
 def test_varlen_bad_cu_seqlens_raise():
     dtype = _built_dtype(64)
     q, k, v, _ = _inputs([10, 20], [10, 20], 2, 2, 64, dtype)

@@ -76,7 +76,19 @@ struct FwdKernelTraits {
 
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
                                                                                  Int<kBlockM>, Int<kHeadDim>>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // Epilogue through shared memory and a TMA store, with two consumer warpgroups (head_dim 64's three 160-register
+  // consumers spilled 50-100 B more with it, ptxas; they keep direct stores). Each warpgroup's 64 rows are one
+  // contiguous SmemLayoutOWG block (rows contiguous within a swizzle atom's width, so a TMA box spans all 64), stored
+  // by that warpgroup alone. Persistent configurations have a buffer for O; with one CTA per tile (head_dim 192, 256:
+  // no shared memory left) O takes the Q buffer, whose layout is then the same blocks, so that a warpgroup's O
+  // overwrites only its own rows of Q while the other may still be reading its own.
+  static constexpr bool kTmaStoreO = NumMmaWarpGroups == 2;
+  static constexpr bool kOInQ = kTmaStoreO && !kPersistent;
+  using SmemLayoutOWG = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, Int<kHeadDim>>{}));
+  using SmemLayoutO = decltype(tile_to_shape(SmemLayoutOWG{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  static_assert(cute::cosize_v<SmemLayoutO> == NumMmaWarpGroups * cute::cosize_v<SmemLayoutOWG>);
+  using SmemLayoutQ = cute::conditional_t<kOInQ, SmemLayoutO,
+                                          decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}))>;
   using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
                                                                                   Int<kBlockN>, Int<kHeadDim>>());
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
@@ -84,15 +96,6 @@ struct FwdKernelTraits {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-
-  // Epilogue through shared memory and a TMA store: persistent configurations with two consumer warpgroups. Head_dim
-  // 192 and 256 have no shared memory left for it; head_dim 64's three 160-register consumers spilled 50-100 B more
-  // with it (ptxas). Those keep direct stores. Each warpgroup's 64 rows are one contiguous SmemLayoutOWG block (rows
-  // contiguous within a swizzle atom's width, so a TMA box spans all 64), stored by that warpgroup alone.
-  static constexpr bool kTmaStoreO = kPersistent && NumMmaWarpGroups == 2;
-  using SmemLayoutOWG = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, Int<kHeadDim>>{}));
-  using SmemLayoutO = decltype(tile_to_shape(SmemLayoutOWG{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  static_assert(cute::cosize_v<SmemLayoutO> == NumMmaWarpGroups * cute::cosize_v<SmemLayoutOWG>);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
@@ -105,7 +108,7 @@ struct FwdKernelTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
-    cute::array_aligned<Element, kTmaStoreO ? cute::cosize_v<SmemLayoutO> : 1, 1024> smem_o;
+    cute::array_aligned<Element, kTmaStoreO && !kOInQ ? cute::cosize_v<SmemLayoutO> : 1, 1024> smem_o;
     cutlass::arch::ClusterTransactionBarrier barrier_q[kQBuffers];  // Q of a tile loaded (and tile_idx written)
     cutlass::arch::ClusterBarrier barrier_q_empty[kQBuffers];       // consumers done with that sQ and tile_idx
     typename Pipeline::SharedStorage pipeline_k;
@@ -241,7 +244,7 @@ CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) 
 }
 
 // The epilogue's O through shared memory (Traits::kTmaStoreO): a warpgroup writes its 64 rows of O (bf16/fp16
-// accumulator fragment tOrO_out) into its block of smem_o, then one thread stores them with TMA. A TMA store clips at
+// accumulator fragment tOrO_out) into its block of smem_o (or of the Q buffer, Traits::kOInQ), then one thread stores them with TMA. A TMA store clips at
 // the tensor's rows, i.e. at seqlen_q for dense batches but only at the last packed row for varlen, so a varlen slab
 // that reaches past its sequence (into the next one) is copied out by the warpgroup's threads, 16 bytes each, rows
 // checked. The thread that issued a TMA store waits for its reads before the warpgroup writes the block again.
@@ -256,7 +259,7 @@ CUTLASS_DEVICE void fwd_store_o_smem(typename Traits::Params const& params, type
   int const wg_tidx = mma_tidx % cutlass::NumThreadsPerWarpGroup;
   // Opaque copies: without them the compiler computes the per-thread shared-memory addresses before the key-block
   // loop and keeps them live through it (head_dim 128: 140 B of spills).
-  Element* smem_o = ss.smem_o.data();
+  Element* smem_o = Traits::kOInQ ? ss.smem_q[0].data() : ss.smem_o.data();
   int tidx = mma_tidx;
   asm volatile("" : "+l"(smem_o), "+r"(tidx));
   Tensor sO = make_tensor(make_smem_ptr(smem_o), typename Traits::SmemLayoutO{});
