@@ -57,7 +57,9 @@ struct FwdTileConfig<64> {
 // 192-row ones keep direct stores; H200, 2026-12-01, session 13 run 3, one round, bf16 TFLOP/s forced 128 / 192): no
 // mask 512 350/340, 1024 407/390, 2048 436/438, 4096 447/456, 8192 449/473, 16384 449/484 (0.92-0.97 per pair);
 // causal 512 222/184, 1024 299/246, 2048 365/341, 4096 401/390, 8192 418/426, 16384 447/449 (0.90-0.97 per pair).
-// kFwd64WideCostFull 0.88 -> 0.94 puts non-causal 512 and 1024 on 128 rows, as measured; the masked cost stands.
+// kFwd64WideCostFull 0.88 -> 0.94 puts non-causal 512 and 1024 on 128 rows; the masked cost stands. When the 192-row
+// tiles took the same epilogue (run 4, two rounds: no mask 1024 413-415, 2048 444-446, 4096 459-470, 16384 488;
+// causal 1024 258, 2048 345, 4096 387-390, 16384 457-461), non-causal 1024 became a tie (407 vs 413-415).
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;

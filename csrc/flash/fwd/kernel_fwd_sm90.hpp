@@ -28,6 +28,7 @@
 #define FAH_SPLIT_QK 1
 #endif
 
+
 namespace flash {
 
 using namespace cute;
@@ -76,13 +77,16 @@ struct FwdKernelTraits {
 
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
                                                                                  Int<kBlockM>, Int<kHeadDim>>());
-  // Epilogue through shared memory and a TMA store, with two consumer warpgroups (head_dim 64's three 160-register
-  // consumers spilled 50-100 B more with it, ptxas; they keep direct stores). Each warpgroup's 64 rows are one
-  // contiguous SmemLayoutOWG block (rows contiguous within a swizzle atom's width, so a TMA box spans all 64), stored
-  // by that warpgroup alone. Persistent configurations have a buffer for O; with one CTA per tile (head_dim 192, 256:
-  // no shared memory left) O takes the Q buffer, whose layout is then the same blocks, so that a warpgroup's O
-  // overwrites only its own rows of Q while the other may still be reading its own.
-  static constexpr bool kTmaStoreO = NumMmaWarpGroups == 2;
+  // Epilogue through shared memory and a TMA store. Each warpgroup's 64 rows are one contiguous SmemLayoutOWG block
+  // (rows contiguous within a swizzle atom's width, so a TMA box spans all 64), stored by that warpgroup alone.
+  // Persistent configurations have a buffer for O; with one CTA per tile (head_dim 192, 256: no shared memory left) O
+  // takes the Q buffer, whose layout is then the same blocks, so that a warpgroup's O overwrites only its own rows of
+  // Q while the other may still be reading its own (a one-CTA-per-tile configuration with three consumers would keep
+  // direct stores). It replaced 32 direct 4-byte stores per thread, each warp instruction touching 8 rows: H200,
+  // 2026-12-01 (session 13 runs 2-4, benchmarks/NOTES.md): the forward's fixed cost per tile 2.76 -> 1.41 us (head_dim
+  // 128), dense 1024 +10 % (head_dim 128), +8-18 % at 512-2048 (256), +1-5 % on head_dim 64's 192-row tiles (whose
+  // 160-register consumers spill a little more with it, ptxas: dense 156 -> 172 B of stores).
+  static constexpr bool kTmaStoreO = kPersistent || NumMmaWarpGroups == 2;
   static constexpr bool kOInQ = kTmaStoreO && !kPersistent;
   using SmemLayoutOWG = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, Int<kHeadDim>>{}));
   using SmemLayoutO = decltype(tile_to_shape(SmemLayoutOWG{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
