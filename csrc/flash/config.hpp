@@ -1,7 +1,8 @@
 // Named forward tile configurations per head dim.
 //
-// Forward persistence: run persistent only when each tile sees at most this many key blocks (measured above: longer
-// tiles gain nothing from overlapping the epilogue and lose to the tile loop's extra live registers).
+// Forward persistence: run persistent only when each tile sees at most this many key blocks (measured below: longer
+// tiles gain nothing from overlapping the epilogue and lose to the tile loop's extra live registers), or, where a
+// configuration sets kPersistentUnmasked, whenever no causal mask or window applies.
 constexpr int kFwdPersistentMaxKeyBlocks = 32;
 
 // Shared memory per CTA = (kQBuffers * kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2 bytes (Q, K and V staged;
@@ -32,6 +33,7 @@ template <>
 struct FwdTileConfig<64> {
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kPersistentUnmasked = false;
   // No documents (document_ids run on FwdTileConfig64Narrow): their bounds pointer added 8-16 B of spill to these
   // already spilling consumers, and the non-causal forward at 4096 fell to 0.996x cuDNN from 1.036x (H200,
   // 2026-11-30, session 8 runs 1 and 3, one run each).
@@ -63,15 +65,20 @@ struct FwdTileConfig<64> {
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };
 constexpr double kFwd64WideCostFull = 0.94;    // no causal mask or window
 constexpr double kFwd64WideCostMasked = 0.95;  // causal or windowed
 
+// kPersistentUnmasked: with the TMA-store epilogue, persistent CTAs won at every length without a mask (H200,
+// 2026-12-01, session 13 runs 1-3, bf16 TFLOP/s persistent / one CTA per tile: 8192 630-642 / 626-632, 16384 639-649
+// / 632-640), but not causal (16384 597 / 624, 8192 580 / 583; one run).
 template <>
 struct FwdTileConfig<128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kPersistentUnmasked = true;
   static constexpr bool kDocuments = true;
 };
 
@@ -81,6 +88,7 @@ template <>
 struct FwdTileConfig<96> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
   static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };
 
@@ -92,6 +100,7 @@ template <>
 struct FwdTileConfig<192> {
   static constexpr int kBlockM = 128, kBlockN = 112, kStages = 2;
   static constexpr bool kIntraWGOverlap = false, kPersistent = false;
+  static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };
 
@@ -99,6 +108,7 @@ template <>
 struct FwdTileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
   static constexpr bool kIntraWGOverlap = false, kPersistent = false;
+  static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };
 

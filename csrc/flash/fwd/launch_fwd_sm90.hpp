@@ -19,7 +19,8 @@
 
 namespace flash {
 
-// kFwdPersistentMaxKeyBlocks, or FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS (development A/B; read once per process).
+// kFwdPersistentMaxKeyBlocks, or FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS (development A/B, read once per process; a value set
+// there also turns kPersistentUnmasked off).
 inline int fwd_persistent_max_key_blocks() {
   static int const value = [] {
     char const* v = std::getenv("FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS");
@@ -46,10 +47,14 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   if (num_tiles > INT32_MAX || (p.tile_counter != nullptr && p.num_sms <= 0)) { return cudaErrorInvalidValue; }
   int window_left, window_right;
   kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
-  // Persistent when the build has it and each tile sees few key blocks (config.hpp, kFwdPersistentMaxKeyBlocks).
+  // Persistent when the build has it and each tile sees few key blocks (config.hpp, kFwdPersistentMaxKeyBlocks), or
+  // no mask applies and the configuration says so (kPersistentUnmasked).
   int64_t const keys_per_tile = std::min<int64_t>(p.seqlen_k, int64_t(window_left) + window_right + Traits::kBlockM);
-  bool const persistent = Traits::kPersistent && p.tile_counter != nullptr &&
-                          cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= fwd_persistent_max_key_blocks();
+  bool const unmasked = window_left >= p.seqlen_k && window_right >= p.seqlen_q;  // kernel_window's "unbounded"
+  bool const persistent =
+      Traits::kPersistent && p.tile_counter != nullptr &&
+      ((Cfg::kPersistentUnmasked && unmasked && fwd_persistent_max_key_blocks() == kFwdPersistentMaxKeyBlocks) ||
+       cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= fwd_persistent_max_key_blocks());
   // Varlen: the packed rows as one batch element; sequences are found by row offsets in the kernel.
   bool const varlen = p.cu_seqlens_q != nullptr;
   if (varlen != (p.cu_seqlens_k != nullptr)) { return cudaErrorInvalidValue; }
