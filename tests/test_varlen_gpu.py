@@ -129,11 +129,13 @@ def test_varlen_many_sequences_persistent():
     _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "many", causal=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_varlen_epilogue_slabs(head_dim):
     """The forward stores O of a warpgroup's 64 rows with one TMA store when they lie inside their sequence and copies
     them out row by row when they reach past its end (TMA would write into the next sequence's rows): lengths around
-    the multiples of 64, in an order that puts both kinds of slab in one CTA's run of tiles, 150 sequences."""
+    the multiples of 64, in an order that puts both kinds of slab in one CTA's run of tiles, 150 sequences (head_dim
+    192 and 256 stage O in the Q buffer; tests/test_fwd_tiles_gpu.py reruns the head_dim 64 case on 192-row tiles,
+    whose third warpgroup's slab starts at row 128)."""
     dtype = _built_dtype(head_dim)
     edges = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256]
     gen = torch.Generator().manual_seed(7)

@@ -56,9 +56,9 @@ struct FwdTileConfig<64> {
 // device call, a process per build, bf16 TFLOP/s 2 / 3 stages): causal 512 211/220, 1024 287/302, 2048 352/360,
 // 4096 400/396, train_lm's shape (batch 8, 12 heads, 2048, causal) 314/319; the unchanged 192-row points moved by up
 // to 2 %, so only 512 and 1024 clear the noise. Re-measured after the 128-row tiles took the TMA-store epilogue (the
-// 192-row ones keep direct stores; H200, 2026-12-01, session 13 run 3, one round, bf16 TFLOP/s forced 128 / 192): no
-// mask 512 350/340, 1024 407/390, 2048 436/438, 4096 447/456, 8192 449/473, 16384 449/484 (0.92-0.97 per pair);
-// causal 512 222/184, 1024 299/246, 2048 365/341, 4096 401/390, 8192 418/426, 16384 447/449 (0.90-0.97 per pair).
+// 192-row ones then still had direct stores; H200, 2026-12-01, session 13 run 3, one round, bf16 TFLOP/s forced 128 /
+// 192): no mask 512 350/340, 1024 407/390, 2048 436/438, 4096 447/456, 8192 449/473, 16384 449/484 (0.92-0.97 per
+// pair); causal 512 222/184, 1024 299/246, 2048 365/341, 4096 401/390, 8192 418/426, 16384 447/449 (0.90-0.97).
 // kFwd64WideCostFull 0.88 -> 0.94 puts non-causal 512 and 1024 on 128 rows; the masked cost stands. When the 192-row
 // tiles took the same epilogue (run 4, two rounds: no mask 1024 413-415, 2048 444-446, 4096 459-470, 16384 488;
 // causal 1024 258, 2048 345, 4096 387-390, 16384 457-461), non-causal 1024 became a tie (407 vs 413-415).

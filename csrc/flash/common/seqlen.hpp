@@ -12,6 +12,7 @@ struct SeqlenInfo {
   int bidb;                // batch index for batch strides and TMA coordinates: 0 when varlen (rows carry it)
   int batch_idx;           // the sequence's index in the batch
 
+  SeqlenInfo() = default;
   // cu_seqlens_q/k: int32 (batch + 1) prefix sums, or null for dense batches of seqlen_q x seqlen_k.
   CUTLASS_DEVICE SeqlenInfo(int const* cu_seqlens_q, int const* cu_seqlens_k, int seqlen_q_, int seqlen_k_,
                             int bidb_) {

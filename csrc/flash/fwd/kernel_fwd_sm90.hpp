@@ -28,7 +28,6 @@
 #define FAH_SPLIT_QK 1
 #endif
 
-
 namespace flash {
 
 using namespace cute;
@@ -81,13 +80,13 @@ struct FwdKernelTraits {
   // (rows contiguous within a swizzle atom's width, so a TMA box spans all 64), stored by that warpgroup alone.
   // Persistent configurations have a buffer for O; with one CTA per tile (head_dim 192, 256: no shared memory left) O
   // takes the Q buffer, whose layout is then the same blocks, so that a warpgroup's O overwrites only its own rows of
-  // Q while the other may still be reading its own (a one-CTA-per-tile configuration with three consumers would keep
-  // direct stores). It replaced 32 direct 4-byte stores per thread, each warp instruction touching 8 rows: H200,
-  // 2026-12-01 (session 13 runs 2-4, benchmarks/NOTES.md): the forward's fixed cost per tile 2.76 -> 1.41 us (head_dim
-  // 128), dense 1024 +10 % (head_dim 128), +8-18 % at 512-2048 (256), +1-5 % on head_dim 64's 192-row tiles (whose
-  // 160-register consumers spill a little more with it, ptxas: dense 156 -> 172 B of stores).
-  static constexpr bool kTmaStoreO = kPersistent || NumMmaWarpGroups == 2;
-  static constexpr bool kOInQ = kTmaStoreO && !kPersistent;
+  // Q while the other may still be reading its own (a one-CTA-per-tile configuration with three consumers has no place
+  // for O: static_assert below). It replaced 32 direct 4-byte stores per thread, each warp instruction touching 8
+  // rows: H200, 2026-12-01 (session 13 runs 2-4, benchmarks/NOTES.md): the forward's fixed cost per tile 2.76 -> 1.41
+  // us (head_dim 128), dense 1024 +10 % (head_dim 128), +8-18 % at 512-2048 (256), +1-5 % on head_dim 64's 192-row
+  // tiles (whose 160-register consumers spill a little more with it, ptxas: dense 156 -> 172 B of stores).
+  static constexpr bool kOInQ = !kPersistent;
+  static_assert(kPersistent || NumMmaWarpGroups == 2, "O is staged in the Q buffer only with two consumers");
   using SmemLayoutOWG = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, Int<kHeadDim>>{}));
   using SmemLayoutO = decltype(tile_to_shape(SmemLayoutOWG{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   static_assert(cute::cosize_v<SmemLayoutO> == NumMmaWarpGroups * cute::cosize_v<SmemLayoutOWG>);
@@ -108,16 +107,25 @@ struct FwdKernelTraits {
   // still runs, instead of waiting for every consumer to finish this tile's last QKᵀ.
   static constexpr int kQBuffers = kPersistent ? 2 : 1;
 
+  // A tile as decode_tile finds it. The producer decodes each tile once and hands it to the consumers through shared
+  // memory with tile_idx: for varlen that spares every consumer thread the global loads of cu_seqlens at each tile
+  // start, which short causal tiles (1024 tokens per sequence) exposed once the epilogue got shorter.
+  struct TileInfo {
+    SeqlenInfo info;
+    int m_block, bidh, n_block_min, n_block_max;
+  };
+
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_v;
-    cute::array_aligned<Element, kTmaStoreO && !kOInQ ? cute::cosize_v<SmemLayoutO> : 1, 1024> smem_o;
+    cute::array_aligned<Element, kOInQ ? 1 : cute::cosize_v<SmemLayoutO>, 1024> smem_o;
     cutlass::arch::ClusterTransactionBarrier barrier_q[kQBuffers];  // Q of a tile loaded (and tile_idx written)
     cutlass::arch::ClusterBarrier barrier_q_empty[kQBuffers];       // consumers done with that sQ and tile_idx
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
     int tile_idx[kQBuffers];  // the producer's tile for the consumers; -1: no more tiles
+    TileInfo tile_info[kQBuffers];  // that tile decoded (valid when tile_idx >= 0)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
@@ -142,7 +150,7 @@ struct FwdKernelTraits {
     TmaQ tma_q;
     TmaKV tma_k;
     TmaKV tma_v;
-    TmaO tma_o;  // kTmaStoreO: O as (seqlen or total rows, head_dim_v, nheads, batch)
+    TmaO tma_o;  // O as (seqlen or total rows, head_dim_v, nheads, batch)
     ShapeQKV shape_q;
     ShapeQKV shape_k;
     ShapeQKV shape_v;  // head_dim_v in place of head_dim
@@ -247,11 +255,12 @@ CUTLASS_DEVICE void stage_release(PipelineStorage& storage, State const& state) 
   storage.empty_barrier_[state.index()].arrive();
 }
 
-// The epilogue's O through shared memory (Traits::kTmaStoreO): a warpgroup writes its 64 rows of O (bf16/fp16
-// accumulator fragment tOrO_out) into its block of smem_o (or of the Q buffer, Traits::kOInQ), then one thread stores them with TMA. A TMA store clips at
-// the tensor's rows, i.e. at seqlen_q for dense batches but only at the last packed row for varlen, so a varlen slab
-// that reaches past its sequence (into the next one) is copied out by the warpgroup's threads, 16 bytes each, rows
-// checked. The thread that issued a TMA store waits for its reads before the warpgroup writes the block again.
+// The epilogue's O through shared memory: a warpgroup writes its 64 rows of O (bf16/fp16 accumulator fragment
+// tOrO_out) into its block of smem_o (or of the Q buffer, Traits::kOInQ), then one thread stores them with TMA. A TMA
+// store clips at the tensor's rows, i.e. at seqlen_q for dense batches but only at the last packed row for varlen, so
+// a varlen slab that reaches past its sequence (into the next one) is copied out by the warpgroup's threads, 16 bytes
+// each, rows checked. The thread that issued a TMA store waits for its reads before the warpgroup writes the block
+// again.
 template <class Traits, class TiledMmaPV, class FragO>
 CUTLASS_DEVICE void fwd_store_o_smem(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                      TiledMmaPV const& tiled_mma_pv, FragO const& tOrO_out, int mma_tidx, int m_block,
@@ -516,31 +525,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tOrO_out = convert_type<Element>(tOrO);
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor c = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  if constexpr (Traits::kTmaStoreO) {
-    fwd_store_o_smem<Traits>(params, ss, tiled_mma_pv, tOrO_out, mma_tidx, m_block, bidh, info);
-  } else {
-    Tensor o = make_tensor(tOrO_out.data(), acc_rowcol(tOrO_out.layout()));  // (rows, cols)
-    Element* o_base = params.o_ptr + info.bidb * params.o_batch_stride + info.offset_q * params.o_row_stride +
-                      bidh * params.o_head_stride;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      int const row = m_block * kBlockM + get<0>(c(r, 0));
-      if (row < info.seqlen_q) {
-        Element* o_row = o_base + row * params.o_row_stride;
-        // Columns come in adjacent pairs: one 32-bit store each.
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(o); j += 2) {
-          int const col = get<1>(c(r, j));
-          if (col < params.head_dim_v) {  // col is even and head_dim_v a multiple of 8: the pair is in or out whole
-            cutlass::Array<Element, 2> pair;
-            pair[0] = o(r, j);
-            pair[1] = o(r, j + 1);
-            *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + col) = pair;
-          }
-        }
-      }
-    }
-  }
+  fwd_store_o_smem<Traits>(params, ss, tiled_mma_pv, tOrO_out, mma_tidx, m_block, bidh, info);
   float* lse_base =
       params.lse_ptr + info.bidb * params.lse_batch_stride + bidh * params.lse_head_stride + info.offset_q;
   if (mma_tidx % 4 == 0) {
@@ -587,7 +572,8 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   if (warp_group_idx == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     // The pipeline's leader (thread 0) is the one thread that issues every TMA load and picks the tiles: it hands
-    // each tile to the consumers through tile_idx, published by its arrival on barrier_q (release/acquire).
+    // each tile to the consumers through tile_idx and tile_info, published by its arrival on barrier_q
+    // (release/acquire).
     if (threadIdx.x == 0) {
       auto write_state = cutlass::make_producer_start_state<Pipeline>();
       int tile = blockIdx.x;
@@ -608,6 +594,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
         int m_block, bidh, n_block_min, n_block_max;
         SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
         ss.tile_idx[q_buf] = tile;
+        ss.tile_info[q_buf] = typename Traits::TileInfo{info, m_block, bidh, n_block_min, n_block_max};
         if (n_block_max > n_block_min) {
           fwd_producer<Traits>(params, ss, pipeline_k, pipeline_v, write_state, q_buf, m_block, bidh, info,
                                n_block_min, n_block_max);
@@ -634,8 +621,9 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       ss.barrier_q[q_buf].wait((iter / Traits::kQBuffers) & 1);
       int const tile = ss.tile_idx[q_buf];
       if (tile < 0) { break; }
-      int m_block, bidh, n_block_min, n_block_max;
-      SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
+      typename Traits::TileInfo const t = ss.tile_info[q_buf];
+      SeqlenInfo const& info = t.info;
+      int const m_block = t.m_block, bidh = t.bidh, n_block_min = t.n_block_min, n_block_max = t.n_block_max;
       if (q_buf == 0) {
         fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
                                           n_block_max);
@@ -646,9 +634,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       if constexpr (!Traits::kPersistent) { break; }
     }
     // Shared memory must outlive the reads of the last TMA store of O.
-    if constexpr (Traits::kTmaStoreO) {
-      if (mma_tidx % cutlass::NumThreadsPerWarpGroup == 0) { tma_store_wait<0>(); }
-    }
+    if (mma_tidx % cutlass::NumThreadsPerWarpGroup == 0) { tma_store_wait<0>(); }
     // The last warpgroup's last hand-over is left on warpgroup 0's barrier: take it.
     if (params.pingpong && wg == 0) { cutlass::arch::NamedBarrier::sync(Traits::kTurnBarrierThreads, 2 + 0); }
   }

@@ -19,8 +19,8 @@
 
 namespace flash {
 
-// kFwdPersistentMaxKeyBlocks, or FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS (development A/B, read once per process; a value set
-// there also turns kPersistentUnmasked off).
+// kFwdPersistentMaxKeyBlocks, or FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS (development A/B, read once per process; a value
+// other than the default also turns kPersistentUnmasked off).
 inline int fwd_persistent_max_key_blocks() {
   static int const value = [] {
     char const* v = std::getenv("FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS");
