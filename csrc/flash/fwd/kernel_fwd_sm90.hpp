@@ -6,8 +6,8 @@
 //                      through a kStages-deep shared-memory pipeline (PipelineTmaAsync: full/empty mbarriers) that
 //                      runs on across tiles, so the next tile's loads overlap this tile's last GEMMs and epilogue.
 //   warpgroups 1..     Consumers (kBlockM / 64), 64 query rows each: S = Q Kᵀ (WGMMA, both operands in smem),
-//                      mask, online softmax (exp2), O += P V (WGMMA, P from registers, V from smem); epilogue writes
-//                      O and LSE.
+//                      mask, online softmax (exp2), O += P V (WGMMA, P from registers, V from smem); epilogue: O
+//                      through shared memory and a TMA store per warpgroup (fwd_store_o_smem), LSE from registers.
 #pragma once
 
 #include <cute/tensor.hpp>
