@@ -567,12 +567,11 @@ def attention_varlen(
     # Under torch.compile and inside a CUDA graph capture, cu_seqlens are not read on the host (a capture forbids the
     # copy; a replay must follow the values it finds): the kernels take every row, read the boundaries on the device
     # and write the rows outside the sequences themselves. The values are then the caller's to get right.
-    if torch.compiler.is_compiling():
-        out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
-        return (out, lse) if return_lse else out
-    _check_sm90("q", q.device)
-    _check_compiled(q.shape[-1], q.dtype, v.shape[-1])
-    if _capturing(q.device):
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        _check_sm90("q", q.device)
+        _check_compiled(q.shape[-1], q.dtype, v.shape[-1])
+    if compiling or _capturing(q.device):
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
     last = {}

@@ -12,8 +12,6 @@ error of the same reference run in the input dtype as the yardstick); outputs an
 memory where the helpers allow it. Skipped, with the reason, without an sm90 GPU and the built extension
 (conftest.py), and per test when the build lacks a head_dim / dtype (``require_built`` / ``built_dtype``)."""
 
-import traceback
-
 import pytest
 import torch
 
@@ -27,7 +25,7 @@ from flash_attn_hopper.testing import (
 from gpu_helpers import attention_inputs, bits, built_dtype, check_attention, check_attention_varlen
 from gpu_helpers import cu_seqlens, poison_allocator, randn, require_built, run_attention
 from test_bug_reports_gpu import DTYPE_IDS, DTYPES, GRAD_NAMES
-from test_bug_reports_gpu import _leaves, _require_free_memory, _varlen_inputs, _varlen_run
+from test_bug_reports_gpu import _leaves, _releasing_memory, _require_free_memory, _varlen_inputs, _varlen_run
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -40,18 +38,6 @@ def _nan_fill_(*tensors):
     with torch.no_grad():
         for t in tensors:
             t.fill_(float("nan"))
-
-
-def _give_memory_back(body, *args):
-    """body(*args); whatever it allocated is released afterwards, also when it fails (pytest keeps a failed test's
-    frames, and with them its tensors, for the rest of the session)."""
-    try:
-        body(*args)
-    except BaseException as e:
-        traceback.clear_frames(e.__traceback__)
-        raise
-    finally:
-        torch.cuda.empty_cache()
 
 
 # -------------------------------------------------------------------------------------------------- CUDA graphs
@@ -534,7 +520,7 @@ def test_long_causal_self_attention():
     """A 70k-token causal attention (69,999 queries x 70,123 keys, GQA 2/1): forward and backward from NaN-poisoned
     memory, every element finite; out, LSE and dQ by the rule on row slices at the start, the middle and the end
     (each slice against exactly the keys it sees), dK and dV on the last keys (seen only by the last rows)."""
-    _give_memory_back(_long_causal)
+    _releasing_memory(_long_causal)
 
 
 def _key_rows_beyond_int32():
@@ -583,7 +569,7 @@ def test_key_rows_beyond_int32_in_one_sequence():
     64 queries over all keys, forward by the rule head by head; then a bottom-right window of 300 so that only keys
     past 2^31 elements are seen, forward and backward: out, LSE, dQ and the window's dK, dV by the rule, every other
     dK, dV row exactly 0 (from NaN-poisoned memory). About 20 GiB."""
-    _give_memory_back(_key_rows_beyond_int32)
+    _releasing_memory(_key_rows_beyond_int32)
 
 
 # ---------------------------------------------------------------------------------------------- variable length
