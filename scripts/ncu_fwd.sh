@@ -2,6 +2,7 @@
 # Nsight Compute on the forward kernel for each "HEAD_DIM SEQLEN MODE [causal]" case in $CASES (';'-separated):
 # the details page (speed of light, pipe utilisation, warp states, instruction mix) and the SASS source page (stall
 # samples per instruction) as text, tarred into $OUT/ncu_$TAG.tar.gz. Needs the extension built in the tree.
+# A case ending in "bwd" profiles the backward's main kernel instead (KERNEL=flash_bwd_sm90_kernel).
 set -u
 TAG=${TAG:-fwd}
 D=/tmp/ncu_$TAG; mkdir -p $D
@@ -10,7 +11,7 @@ IFS=';' read -ra cases <<< "${CASES:-128 16384 dense;128 16384 softcap}"
 for c in "${cases[@]}"; do
   name=$(echo $c | tr ' ' '_')
   PYTHONPATH=$PWD timeout ${NCU_TIMEOUT:-120} $NCU --clock-control none --profile-from-start off --set full \
-    -k regex:flash_fwd_sm90_kernel -c 1 -f -o $D/$name python3 scripts/ncu_fwd.py $c > $D/$name.log 2>&1
+    -k regex:${KERNEL:-flash_fwd_sm90_kernel} -c 1 -f -o $D/$name python3 scripts/ncu_fwd.py $c > $D/$name.log 2>&1
   echo "$c: ncu rc $?"
   $NCU -i $D/$name.ncu-rep --page details --print-details all > $D/${name}_details.txt 2>&1
   $NCU -i $D/$name.ncu-rep --page source --csv --print-source sass > $D/${name}_sass.csv 2>&1

@@ -129,6 +129,8 @@ template <int kHeadDim>
 struct BwdTileConfig {
   static constexpr bool kSwapSdP = kHeadDim <= 128;
   static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64, kStages = 2;
+  // dO's stages (a pipeline of its own when fewer than Q's): head_dim 256 gives one up to the dQ staging buffer.
+  static constexpr int kStagesdO = kHeadDim > 128 ? 1 : kStages;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr bool kDKVSplitD = kHeadDim > 128;
   static_assert(kBwdSeqlenQRounding % kBlockM == 0);

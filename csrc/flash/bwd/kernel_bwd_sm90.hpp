@@ -33,13 +33,18 @@ using namespace cute;
 
 // What both backward variants share: tile sizes, thread roles, the Q/dO/K/V shared-memory layouts, the Q/dO
 // pipeline, the TMA descriptors and the kernel parameters.
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// kStagesdO: dO's pipeline depth (a pipeline of its own when it differs from Q's kStages). SmemLayoutDQChunk: one box
+// of a dQ tile as the dQ writer warp adds it into the fp32 workspace, seen as (rows, kDQAccumCols).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kStagesdO_,
+          class SmemLayoutDQChunk_, int kDQAccumCols_>
 struct BwdTraitsBase {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr int kStagesdO = kStagesdO_;
+  static constexpr bool kSeparatedO = kStagesdO != kStages;
   static constexpr int NumMmaWarpGroups = 2;
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
@@ -48,17 +53,25 @@ struct BwdTraitsBase {
   using KMajorAtom = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
                                                                                   Int<kRows>, Int<kCols>>());
   // Q and dO: (kBlockM, head_dim, stages); K and V: (kBlockN, head_dim).
-  using SmemLayoutQ = decltype(tile_to_shape(KMajorAtom<kBlockM, kHeadDim>{},
-                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  template <int kS>
+  using SmemLayoutRows = decltype(tile_to_shape(KMajorAtom<kBlockM, kHeadDim>{},
+                                                Shape<Int<kBlockM>, Int<kHeadDim>, Int<kS>>{}));
+  using SmemLayoutQ = SmemLayoutRows<kStages>;
+  using SmemLayoutdO = SmemLayoutRows<kStagesdO>;
   using SmemLayoutKV = decltype(tile_to_shape(KMajorAtom<kBlockN, kHeadDim>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // The same bytes read transposed: MN-major operands of the dK/dV and dQ GEMMs.
-  using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  template <int kS>
+  using SmemLayoutRowsT = decltype(composition(
+      SmemLayoutRows<kS>{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kS>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutQt = SmemLayoutRowsT<kStages>;
+  using SmemLayoutdOt = SmemLayoutRowsT<kStagesdO>;
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
+  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;  // used when kSeparatedO
+  using PipelinedOState = typename PipelinedO::PipelineState;
   static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
 
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, head_dim, nheads, batch)
@@ -70,14 +83,17 @@ struct BwdTraitsBase {
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKV{},
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 
-  // dQ accumulator chunks for TMA reduce-add: the fp32 workspace seen as (rows, 128) and moved in boxes of
-  // (32, 128) = 16 KiB, one warpgroup's half of a (kBlockM, head_dim) dQ tile (kSwapSdP variant only).
-  static constexpr int kDQChunkRows = 32, kDQChunkCols = 128;
+  // dQ tiles reach the fp32 workspace through shared memory and TMA reduce-add (the dQ writer warp), in boxes of
+  // SmemLayoutDQChunk over the workspace seen as (rows, kDQAccumCols); one box per warpgroup and pass.
+  using SmemLayoutDQChunk = SmemLayoutDQChunk_;
+  static constexpr int kDQAccumCols = kDQAccumCols_;
+  static constexpr int kDQChunkRows = decltype(size<0>(SmemLayoutDQChunk{}))::value;
+  static constexpr int kDQChunkCols = decltype(size<1>(SmemLayoutDQChunk{}))::value;
   static constexpr int kDQChunkFloats = kDQChunkRows * kDQChunkCols;
-  using SmemLayoutDQChunk = Layout<Shape<Int<kDQChunkRows>, Int<kDQChunkCols>>, Stride<Int<kDQChunkCols>, _1>>;
+  static_assert(decltype(cosize(SmemLayoutDQChunk{}))::value == kDQChunkFloats, "a chunk is one dense box");
   using DQAccumTensor = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)),
-                                             make_layout(make_shape(int32_t(0), Int<kDQChunkCols>{}),
-                                                         make_stride(Int<kDQChunkCols>{}, _1{}))));
+                                             make_layout(make_shape(int32_t(0), Int<kDQAccumCols>{}),
+                                                         make_stride(Int<kDQAccumCols>{}, _1{}))));
   using TmaDQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, DQAccumTensor{}, SmemLayoutDQChunk{}));
 
   struct Params {
@@ -90,7 +106,7 @@ struct BwdTraitsBase {
     ShapeQKV shape_do;  // dO and V: head_dim_v in place of head_dim
     ShapeQKV shape_k;
     ShapeQKV shape_v;
-    int32_t dq_accum_rows;  // rows of the (rows, 128) view of the dQ accumulator
+    int32_t dq_accum_rows;  // rows of the (rows, kDQAccumCols) view of the dQ accumulator
     Element* dk_ptr;
     Element* dv_ptr;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -129,9 +145,14 @@ struct BwdTraitsBase {
 // them per column of Sᵀ. dQ_tile goes to shared memory in the accumulator's register order (conflict-free 16-byte
 // stores) and a writer warp adds it into the fp32 workspace with TMA reduce-add, so the consumers issue no atomics;
 // the workspace therefore holds each tile in that register order, which the postprocess undoes.
+// dQ chunks of the kSwapSdP variant: the workspace seen as (rows, 128), boxes of (32, 128) = 16 KiB, one warpgroup's
+// half of a (kBlockM, head_dim) dQ tile in the dQ GEMM's register order (the tiled postprocess undoes it).
+using BwdSwapDQChunk = Layout<Shape<_32, _128>, Stride<_128, _1>>;
+
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
-struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_> {
-  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_>;
+struct BwdSwapKernelTraits
+    : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kStages_, BwdSwapDQChunk, 128> {
+  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kStages_, BwdSwapDQChunk, 128>;
   using typename Base::Element;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
   static constexpr bool kSwapSdP = true;  // also: LSE/D travel with Q/dO into shared memory
@@ -176,7 +197,7 @@ struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlock
     cute::array_aligned<float, kBlockM * kStages, 128> smem_lse;
     cute::array_aligned<float, kBlockM * kStages, 128> smem_dpsum;
     cutlass::arch::ClusterTransactionBarrier barrier_kv;
-    typename Base::Pipeline::SharedStorage pipeline_qdo;
+    typename Base::Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
@@ -184,20 +205,33 @@ struct BwdSwapKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlock
   static_assert(kStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kStatBytes;
   static_assert(kBlockM * kHeadDim == 2 * Base::kDQChunkFloats, "one dQ chunk per warpgroup");
+  static constexpr int kDQChunksPerBlock = 2;
+  // (row tile, column tile) of chunk i of Q tile m_block in the (rows, 128) view of the workspace, tiled by chunks;
+  // row_base: the first workspace row of this (batch, head).
+  CUTLASS_DEVICE static auto dq_chunk_tile(int64_t row_base, int m_block, int i) {
+    return make_coord(int(row_base * kHeadDim / Base::kDQChunkFloats + int64_t(m_block) * 2 + i), 0);
+  }
   // Named barriers (user ids; CUTLASS offsets them past its reserved ones): 1 all consumers; per warpgroup w,
   // 2 + w "dQ chunk written" and 4 + w "dQ chunk free", between that warpgroup and the dQ writer warp.
   static constexpr int kBarrierDQFull = 2, kBarrierDQEmpty = 4;
   static constexpr int kDQBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
 };
 
+// dQ chunks of the head_dim 256 variant: one warpgroup's (64 rows, 64 columns) of a dQ pass, 128-byte swizzled so
+// the accumulator's row pairs store without bank conflicts, over the row-major (rows, head_dim) workspace.
+using BwdDQChunk64x64 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<_64, _64>{}));
+
 // Variant for head_dim 256: S and dP as (rows, keys) with the warpgroups splitting the keys; P and dS go to shared
 // memory and every GEMM reads both operands from there. kDKVSplitD: the dK/dV GEMMs split head_dim across the two
-// warpgroups (each owns all kBlockN = 64 keys and half of head_dim) instead of splitting the keys.
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDKVSplitD_>
-struct BwdKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_> {
-  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_>;
+// warpgroups (each owns all kBlockN = 64 keys and half of head_dim) instead of splitting the keys. dO has its own
+// pipeline of kStagesdO stages (1 at head_dim 256: its shared memory holds the dQ staging buffer instead).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kStagesdO_, bool kDKVSplitD_>
+struct BwdKernelTraits
+    : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kStagesdO_, BwdDQChunk64x64, kHeadDim_> {
+  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kStagesdO_, BwdDQChunk64x64, kHeadDim_>;
   using typename Base::Element;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
+  static_assert(Base::kSeparatedO, "Q and dO have separate pipelines here");
   static constexpr bool kSwapSdP = false;
   static constexpr bool kDKVSplitD = kDKVSplitD_;
   // setmaxnreg budgets, 24/240 or 56/224 (x 128 + x 256 = 64512 of the 65536 registers per SM), whichever spilled
@@ -235,19 +269,36 @@ struct BwdKernelTraits : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, 
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
 
+  // One dQ pass (kBlockM, kDQCols) in shared memory: warpgroup w's chunk is columns [64 w, 64 w + 64), the
+  // contiguous floats [w, w + 1) * kDQChunkFloats laid out as SmemLayoutDQChunk.
+  using SmemLayoutDQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{},
+                                              Shape<Int<kBlockM>, Int<kDQCols>>{}));
+  static_assert(kDQCols == 2 * Base::kDQChunkCols && kBlockM == Base::kDQChunkRows, "one dQ chunk per warpgroup");
+  static constexpr int kDQChunksPerBlock = 2 * kDQPasses;  // per Q tile, in (pass, warpgroup) order
+  // As in the kSwapSdP variant, over the row-major (rows, head_dim) workspace: chunk i holds columns [64 i, 64 i + 64).
+  CUTLASS_DEVICE static auto dq_chunk_tile(int64_t row_base, int m_block, int i) {
+    return make_coord(int(row_base / kBlockM + m_block), i);
+  }
+
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>, 1024> smem_q;
-    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutdO>, 1024> smem_do;
     cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<typename Base::SmemLayoutKV>, 1024> smem_v;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutPdS>, 1024> smem_p;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutPdS>, 1024> smem_ds;
+    cute::array_aligned<float, cute::cosize_v<SmemLayoutDQ>, 1024> smem_dq;
     cutlass::arch::ClusterTransactionBarrier barrier_kv;
-    typename Base::Pipeline::SharedStorage pipeline_qdo;
+    typename Base::Pipeline::SharedStorage pipeline_q;
+    typename Base::PipelinedO::SharedStorage pipeline_do;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
-  static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesdO = kTmaBytesQ;
+  // Named barriers as in the kSwapSdP variant: 1 all consumers; 2 + w and 4 + w between warpgroup w and the writer.
+  static constexpr int kBarrierDQFull = 2, kBarrierDQEmpty = 4;
+  static constexpr int kDQBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
 };
 
 // Softcap: one element of t = tanh(S_raw * softcap_pre) (−inf where masked) and dP in; P and
@@ -263,13 +314,13 @@ CUTLASS_DEVICE void softcap_p_ds(float& s, float& dp, float score_scale_log2, fl
 // Producer perspective.
 template <class Traits>
 CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                 typename Traits::Pipeline& pipeline, int n_block, int bidh,
-                                 SeqlenInfo const& info, int m_block_min, int m_block_max) {
+                                 typename Traits::Pipeline& pipeline, typename Traits::PipelinedO& pipeline_do,
+                                 int n_block, int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
   using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});    // (M, d, stages)
-  Tensor sdO = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutQ{});  // (M, d, stages)
+  Tensor sdO = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutdO{});  // (M, d, stages)
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});   // (N, d)
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});   // (N, d)
 
@@ -300,11 +351,20 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
   copy(params.tma_v.with(reinterpret_cast<BarrierType&>(ss.barrier_kv), 0), tVgV, tVsV);
 
   auto write_state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  auto write_state_do = cutlass::make_producer_start_state<typename Traits::PipelinedO>();
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     pipeline.producer_acquire(write_state);
     BarrierType* full = pipeline.producer_get_barrier(write_state);
     copy(params.tma_q.with(*full, 0), tQgQ(_, m_block), tQsQ(_, write_state.index()));
-    copy(params.tma_do.with(*full, 0), tdOgdO(_, m_block), tdOsdO(_, write_state.index()));
+    if constexpr (Traits::kSeparatedO) {
+      // dO's stage frees up once the dV GEMM has read it, which is earlier in an iteration than Q's.
+      pipeline_do.producer_acquire(write_state_do);
+      copy(params.tma_do.with(*pipeline_do.producer_get_barrier(write_state_do), 0), tdOgdO(_, m_block),
+           tdOsdO(_, write_state_do.index()));
+      ++write_state_do;
+    } else {
+      copy(params.tma_do.with(*full, 0), tdOgdO(_, m_block), tdOsdO(_, write_state.index()));
+    }
     if constexpr (Traits::kSwapSdP) {
       // LSE_log2 and D of the tile's rows (workspace rows come in whole tiles, so every tile is whole).
       int64_t const row0 = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
@@ -317,6 +377,7 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
     ++write_state;
   }
   pipeline.producer_tail(write_state);
+  if constexpr (Traits::kSeparatedO) { pipeline_do.producer_tail(write_state_do); }
 }
 
 // Deterministic mode: the dQ tile (m_block) of this (sequence, head) takes the sums of the key blocks that see it in
@@ -417,51 +478,56 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
   }
 }
 
-// dQ writer warp of the kSwapSdP variant: for each Q tile, adds each warpgroup's dQ chunk from shared memory into
-// the fp32 workspace (TMA reduce-add, one elected lane), then hands the chunk back once TMA has read it.
+// dQ writer warp: for each Q tile, adds the consumers' dQ chunks (Traits::kDQChunksPerBlock, in (pass, warpgroup)
+// order) from shared memory into the fp32 workspace (TMA reduce-add, one elected lane), and hands each pass's two
+// chunks back once TMA has read them.
 template <class Traits, bool kDeterministic>
 CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                   int n_block, int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
-  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kChunks = Traits::kDQChunksPerBlock;
+  using ChunkShape = Shape<Int<Traits::kDQChunkRows>, Int<Traits::kDQChunkCols>>;
   Tensor sDQ = make_tensor(make_smem_ptr(ss.smem_dq.data()),
-                           make_layout(make_shape(Int<Traits::kDQChunkRows>{}, Int<Traits::kDQChunkCols>{}, _2{}),
-                                       make_stride(Int<Traits::kDQChunkCols>{}, _1{}, Int<Traits::kDQChunkFloats>{})));
-  Tensor mDQ = params.tma_dq.get_tma_tensor(make_shape(params.dq_accum_rows, Int<Traits::kDQChunkCols>{}));
-  Tensor gDQ = local_tile(mDQ, Shape<Int<Traits::kDQChunkRows>, Int<Traits::kDQChunkCols>>{}, make_coord(_, _0{}));
+                           tile_to_shape(typename Traits::SmemLayoutDQChunk{},
+                                         Shape<Int<Traits::kDQChunkRows>, Int<Traits::kDQChunkCols>, _2>{}));
+  Tensor mDQ = params.tma_dq.get_tma_tensor(make_shape(params.dq_accum_rows, Int<Traits::kDQAccumCols>{}));
+  Tensor gDQ = local_tile(mDQ, ChunkShape{}, make_coord(_, _));  // (rows, cols, row tiles, column tiles)
   auto [tDQgDQ, tDQsDQ] =
       tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sDQ), group_modes<0, 2>(gDQ));
   bool const leader = cute::elect_one_sync();
-  // Chunk index of the first row of this (batch, head): kBlockM * head_dim floats per Q tile, two chunks.
-  int64_t const chunk_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                                     params.seqlen_q_rounded, info.batch_idx, bidh) *
-                             kHeadDim / Traits::kDQChunkFloats;
+  int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+                                                                   params.seqlen_q_rounded, info.batch_idx, bidh);
   constexpr bool deterministic = kDeterministic;
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     int* sem = nullptr;
     int turn = 0;
     if (deterministic) { sem = dq_turn<Traits>(params, info, bidh, m_block, n_block, turn); }
     CUTLASS_PRAGMA_UNROLL
-    for (int wg = 0; wg < 2; ++wg) {
+    for (int i = 0; i < kChunks; ++i) {
+      int const wg = i % 2;
       cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + wg);
       if (leader) {
-        if (deterministic && wg == 0) { semaphore_wait_for_bulk(sem, turn); }
-        copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, int(chunk_base + int64_t(m_block) * 2 + wg)));
+        if (deterministic && i == 0) { semaphore_wait_for_bulk(sem, turn); }
+        auto const tile = Traits::dq_chunk_tile(row_base, m_block, i);
+        copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, get<0>(tile), get<1>(tile)));
         tma_store_arrive();
       }
-    }
-    if (leader) {
-      if (deterministic) {
-        bulk_reductions_complete();  // both chunks added (which also means read out of shared memory)
-        semaphore_release(sem);
-      } else {
-        tma_store_wait<0>();  // both chunks read out of shared memory
-      }
-    }
-    __syncwarp();
-    if (m_block + 1 < m_block_max) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int wg = 0; wg < 2; ++wg) {
-        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + wg);
+      if (wg == 1) {  // both warpgroups' chunks of this pass issued
+        bool const last = i == kChunks - 1;
+        if (leader) {
+          if (deterministic && last) {
+            bulk_reductions_complete();  // every chunk added (which also means read out of shared memory)
+            semaphore_release(sem);
+          } else {
+            tma_store_wait<0>();  // read out of shared memory
+          }
+        }
+        __syncwarp();
+        if (!last || m_block + 1 < m_block_max) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int w = 0; w < 2; ++w) {
+            cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + w);
+          }
+        }
       }
     }
   }
@@ -620,7 +686,8 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
 // Consumer perspective (mma_tidx in [0, NumMmaThreads)).
 template <class Traits, bool kSoftcap, bool kDeterministic>
 CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                 typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,
+                                 typename Traits::Pipeline& pipeline, typename Traits::PipelinedO& pipeline_do,
+                                 int mma_tidx, int n_block, int bidh,
                                  SeqlenInfo const& info, int m_block_min, int m_block_max) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -635,9 +702,9 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   auto thr_mma_dq = tiled_mma_dq.get_thread_slice(mma_tidx);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutdO{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.smem_q.data()), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.smem_do.data()), typename Traits::SmemLayoutdOt{});
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKt{});
@@ -671,7 +738,11 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   constexpr int kDQCols = Traits::kDQCols;
-  Tensor tdQcdQ = thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQCols>>{}));
+  // This warpgroup's chunk of a dQ pass in shared memory, in the accumulator's (rows, column pairs) view.
+  Tensor sDQ = make_tensor(make_smem_ptr(ss.smem_dq.data()), typename Traits::SmemLayoutDQ{});
+  Tensor tdQsdQ = thr_mma_dq.partition_C(sDQ);
+  Tensor tdQsdQ_rc = make_tensor(tdQsdQ.data(), acc_rowcol(tdQsdQ.layout()));
+  int const warpgroup = mma_tidx / cutlass::NumThreadsPerWarpGroup;
   Window<kBlockM, kBlockN> const window = make_window<kBlockM, kBlockN>(params, info);
   int interior_lo, interior_hi;
   window.interior_m_blocks(n_block, interior_lo, interior_hi);
@@ -680,13 +751,13 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
                                                                    params.seqlen_q_rounded, info.batch_idx, bidh);
   float const* lse_log2 = params.lse_log2_ptr + row_base;
   float const* dpsum = params.dpsum_ptr + row_base;
-  float* dq_accum = params.dq_accum_ptr + row_base * kHeadDim;
 
   if (m_block_max > m_block_min) {
     ss.barrier_kv.wait(0);
     typename Traits::PipelineState read_state;
+    typename Traits::PipelinedOState read_state_do;
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-      int const stage = read_state.index();
+      int const stage = read_state.index(), stage_do = read_state_do.index();
       // Per-row statistics of the two rows this thread holds (padded rows: LSE_log2 = +inf gives P = 0).
       float lse_row[kRows], dpsum_row[kRows];
       CUTLASS_PRAGMA_UNROLL
@@ -700,7 +771,8 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
       Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       pipeline.consumer_wait(read_state);
       wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
-      wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP);
+      pipeline_do.consumer_wait(read_state_do);
+      wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
       Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
       Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
       if constexpr (!kSoftcap) {
@@ -743,16 +815,8 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
       cutlass::arch::fence_view_async_shared();
       consumers_sync();
 
-      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), tdVrdV);
+      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
       wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
-      // Deterministic mode: this CTA adds into the dQ tile only in its turn (in n_block order).
-      int* dq_sem = nullptr;
-      if constexpr (kDeterministic) {
-        int turn;
-        dq_sem = dq_turn<Traits>(params, info, bidh, m_block, n_block, turn);
-        if (mma_tidx == 0) { semaphore_wait(dq_sem, turn); }
-        consumers_sync();
-      }
       CUTLASS_PRAGMA_UNROLL
       for (int pass = 0; pass < Traits::kDQPasses; ++pass) {
         // Columns [pass * kDQCols, (pass + 1) * kDQCols) of dQ_tile = dS K.
@@ -760,33 +824,48 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
             local_tile(sKt, Shape<Int<kDQCols>, Int<kBlockN>>{}, make_coord(pass, _0{})));  // (MMA, MMA_N, MMA_K)
         Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQCols>>{});
         wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+        if (pass == 0) {
+          warpgroup_wait<2>();  // dV is done: dO's stage can take the next tile
+          pipeline_do.consumer_release(read_state_do);
+          ++read_state_do;
+        }
         warpgroup_wait<0>();
-        if (pass == Traits::kDQPasses - 1) {
+        if (pass == 0) {  // dK is done too
           pipeline.consumer_release(read_state);
           ++read_state;
         }
-        // dQ_tile (unscaled) into the fp32 accumulator; the postprocess applies softmax_scale.
+        // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk, once the writer
+        // warp has read the previous one, then handed to the writer's TMA reduce-add.
+        if (m_block > m_block_min || pass > 0) {
+          cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
+        }
         Tensor dq = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
-        Tensor cq = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < size<0>(dq); ++r) {
-          float* row_ptr =
-              dq_accum + int64_t(m_block * kBlockM + get<0>(cq(r, 0))) * kHeadDim + pass * kDQCols;
           CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(dq); j += 2) {
-            atomicAdd(reinterpret_cast<float2*>(row_ptr + get<1>(cq(r, j))), make_float2(dq(r, j), dq(r, j + 1)));
+          for (int j = 0; j < size<1>(dq); j += 2) {  // a column pair is 8 contiguous bytes under the swizzle
+            *reinterpret_cast<float2*>(&tdQsdQ_rc(r, j)) = make_float2(dq(r, j), dq(r, j + 1));
           }
         }
-      }
-      if constexpr (kDeterministic) {
-        __threadfence();
-        consumers_sync();
-        if (mma_tidx == 0) { semaphore_release(dq_sem); }
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
+        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + warpgroup);
       }
     }
   }
 
   store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+}
+
+// Producer warpgroup: producer role; thread 0 initialises the barriers and issues the loads.
+template <class Pipeline, class Traits>
+CUTLASS_DEVICE typename Pipeline::Params bwd_pipeline_params(uint32_t transaction_bytes) {
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = transaction_bytes;
+  pp.role = cutlass::canonical_warp_group_idx() == 0 ? Pipeline::ThreadCategory::Producer
+                                                     : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = Traits::NumMmaThreads;
+  return pp;
 }
 
 template <class Traits, bool kSoftcap, bool kDeterministic>
@@ -812,43 +891,47 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    if constexpr (Traits::kSwapSdP) { cute::prefetch_tma_descriptor(params.tma_dq.get_tma_descriptor()); }
+    cute::prefetch_tma_descriptor(params.tma_dq.get_tma_descriptor());
     ss.barrier_kv.init(/*arrive_count=*/1);
   }
 
-  typename Pipeline::Params pipeline_params;
-  pipeline_params.transaction_bytes = Traits::kTmaBytesQdO;
-  pipeline_params.role = warp_group_idx == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipeline_params.is_leader = threadIdx.x == 0;
-  pipeline_params.num_consumers = Traits::NumMmaThreads;
-  Pipeline pipeline(ss.pipeline_qdo, pipeline_params, Shape<_1, _1, _1>{});
-  cutlass::arch::fence_barrier_init();
-  __syncthreads();
+  // The rest of the kernel, given the Q pipeline and dO's (the same object unless kSeparatedO).
+  auto run = [&](Pipeline& pipeline, typename Traits::PipelinedO& pipeline_do) {
+    cutlass::arch::fence_barrier_init();
+    __syncthreads();
 
-  int m_block_min, m_block_max;
-  make_window<Traits::kBlockM, Traits::kBlockN>(params, info).m_block_range(n_block, m_block_min, m_block_max);
+    int m_block_min, m_block_max;
+    make_window<Traits::kBlockM, Traits::kBlockN>(params, info).m_block_range(n_block, m_block_min, m_block_max);
 
-  if (warp_group_idx == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    // The pipeline's leader (thread 0) is the one thread that issues every TMA load.
-    if (threadIdx.x == 0 && m_block_max > m_block_min) {
-      bwd_producer<Traits>(params, ss, pipeline, n_block, bidh, info, m_block_min, m_block_max);
-    }
-    if constexpr (Traits::kSwapSdP) {
+    if (warp_group_idx == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+      // The pipelines' leader (thread 0) is the one thread that issues every TMA load.
+      if (threadIdx.x == 0 && m_block_max > m_block_min) {
+        bwd_producer<Traits>(params, ss, pipeline, pipeline_do, n_block, bidh, info, m_block_min, m_block_max);
+      }
       if (warp_idx == 1 && m_block_max > m_block_min) {
         bwd_dq_writer<Traits, kDeterministic>(params, ss, n_block, bidh, info, m_block_min, m_block_max);
       }
-    }
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
-    if constexpr (Traits::kSwapSdP) {
-      bwd_consumer_swapped<Traits, kSoftcap, kDeterministic>(params, ss, pipeline, mma_tidx, n_block, bidh, info,
-                                                             m_block_min, m_block_max);
     } else {
-      bwd_consumer<Traits, kSoftcap, kDeterministic>(params, ss, pipeline, mma_tidx, n_block, bidh, info, m_block_min,
-                                                     m_block_max);
+      cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+      int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
+      if constexpr (Traits::kSwapSdP) {
+        bwd_consumer_swapped<Traits, kSoftcap, kDeterministic>(params, ss, pipeline, mma_tidx, n_block, bidh, info,
+                                                               m_block_min, m_block_max);
+      } else {
+        bwd_consumer<Traits, kSoftcap, kDeterministic>(params, ss, pipeline, pipeline_do, mma_tidx, n_block, bidh,
+                                                       info, m_block_min, m_block_max);
+      }
     }
+  };
+  if constexpr (Traits::kSeparatedO) {
+    Pipeline pipeline(ss.pipeline_q, bwd_pipeline_params<Pipeline, Traits>(Traits::kTmaBytesQ), Shape<_1, _1, _1>{});
+    using PipelinedO = typename Traits::PipelinedO;
+    PipelinedO pipeline_do(ss.pipeline_do, bwd_pipeline_params<PipelinedO, Traits>(Traits::kTmaBytesdO), Shape<_1, _1, _1>{});
+    run(pipeline, pipeline_do);
+  } else {
+    Pipeline pipeline(ss.pipeline_q, bwd_pipeline_params<Pipeline, Traits>(Traits::kTmaBytesQdO), Shape<_1, _1, _1>{});
+    run(pipeline, pipeline);
   }
 }
 

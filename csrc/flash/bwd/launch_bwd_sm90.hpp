@@ -23,7 +23,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim>;
   using Traits = std::conditional_t<
       Cfg::kSwapSdP, BwdSwapKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages>,
-      BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kDKVSplitD>>;
+      BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kStagesdO, Cfg::kDKVSplitD>>;
   // Any head_dim that is a multiple of 8 up to the tile width (as the forward): Q, dO, K, V columns past it load as
   // zeros, so the padded columns of dQ, dK, dV are zeros too, and they are never stored to the caller's tensors.
   // V, O, dO, dV have their own head_dim_v (the kernel is the one of the larger): same rule.
@@ -73,11 +73,11 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
   // The dQ accumulator is the host's workspace, with rows of kHeadDim floats (padded, not the caller's head_dim).
   int64_t const dq_accum_rows =
-      int64_t(varlen ? 1 : p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim / Traits::kDQChunkCols;
+      int64_t(varlen ? 1 : p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim / Traits::kDQAccumCols;
   if (dq_accum_rows > INT32_MAX) { return cudaErrorInvalidValue; }
   Tensor mDQaccum = make_tensor(make_gmem_ptr(p.dq_accum_ptr),
-                                make_layout(make_shape(int32_t(dq_accum_rows), Int<Traits::kDQChunkCols>{}),
-                                            make_stride(Int<Traits::kDQChunkCols>{}, _1{})));
+                                make_layout(make_shape(int32_t(dq_accum_rows), Int<Traits::kDQAccumCols>{}),
+                                            make_stride(Int<Traits::kDQAccumCols>{}, _1{})));
 
   typename Traits::Params kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, q_smem, q_tile, _1{}),
