@@ -206,6 +206,7 @@ struct BwdSwapKernelTraits
   static constexpr uint32_t kTmaBytesQdO = 2 * kBlockM * kHeadDim * sizeof(Element) + 2 * kStatBytes;
   static_assert(kBlockM * kHeadDim == 2 * Base::kDQChunkFloats, "one dQ chunk per warpgroup");
   static constexpr int kDQChunksPerBlock = 2;
+  static constexpr bool kDQPass1InQ = false;  // (the head_dim 256 variant's option)
   // (row tile, column tile) of chunk i of Q tile m_block in the (rows, 128) view of the workspace, tiled by chunks;
   // row_base: the first workspace row of this (batch, head).
   CUTLASS_DEVICE static auto dq_chunk_tile(int64_t row_base, int m_block, int i) {
@@ -213,7 +214,7 @@ struct BwdSwapKernelTraits
   }
   // Named barriers (user ids; CUTLASS offsets them past its reserved ones): 1 all consumers; per warpgroup w,
   // 2 + w "dQ chunk written" and 4 + w "dQ chunk free", between that warpgroup and the dQ writer warp.
-  static constexpr int kBarrierDQFull = 2, kBarrierDQEmpty = 4;
+  static constexpr int kBarrierDQFull = 2, kBarrierDQEmpty = 4, kBarrierDQFull1 = 6;  // (no second pass here)
   static constexpr int kDQBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
 };
 
@@ -275,6 +276,12 @@ struct BwdKernelTraits
                                               Shape<Int<kBlockM>, Int<kDQCols>>{}));
   static_assert(kDQCols == 2 * Base::kDQChunkCols && kBlockM == Base::kDQChunkRows, "one dQ chunk per warpgroup");
   static constexpr int kDQChunksPerBlock = 2 * kDQPasses;  // per Q tile, in (pass, warpgroup) order
+  // The second pass is staged in the tile's own Q stage, which its GEMMs have finished reading by then (warpgroup w
+  // writes the half that only its dK GEMM reads: head_dim columns [128 w, 128 w + 128)), so the writer has until the
+  // next tile to drain it instead of the few hundred cycles of one dQ GEMM. The consumers hand the stage back to the
+  // producer once the writer has read it (kBarrierDQEmpty, which then covers both passes' chunks).
+  static constexpr bool kDQPass1InQ = kDQPasses == 2;
+  static_assert(!kDQPass1InQ || kBlockM * kHeadDim == 2 * cute::cosize_v<SmemLayoutDQ>, "a Q stage holds one pass");
   // As in the kSwapSdP variant, over the row-major (rows, head_dim) workspace: chunk i holds columns [64 i, 64 i + 64).
   CUTLASS_DEVICE static auto dq_chunk_tile(int64_t row_base, int m_block, int i) {
     return make_coord(int(row_base / kBlockM + m_block), i);
@@ -296,8 +303,9 @@ struct BwdKernelTraits
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesdO = kTmaBytesQ;
-  // Named barriers as in the kSwapSdP variant: 1 all consumers; 2 + w and 4 + w between warpgroup w and the writer.
-  static constexpr int kBarrierDQFull = 2, kBarrierDQEmpty = 4;
+  // Named barriers as in the kSwapSdP variant: 1 all consumers; 2 + w and 4 + w between warpgroup w and the writer;
+  // 6 + w: warpgroup w's second-pass chunk written.
+  static constexpr int kBarrierDQFull = 2, kBarrierDQEmpty = 4, kBarrierDQFull1 = 6;
   static constexpr int kDQBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
 };
 
@@ -479,12 +487,17 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
 }
 
 // dQ writer warp: for each Q tile, adds the consumers' dQ chunks (Traits::kDQChunksPerBlock, in (pass, warpgroup)
-// order) from shared memory into the fp32 workspace (TMA reduce-add, one elected lane), and hands each pass's two
-// chunks back once TMA has read them.
+// order) from shared memory into the fp32 workspace (TMA reduce-add, one elected lane). Each warpgroup arrives once
+// per tile and pass on that pass's barrier (kBarrierDQFull, kBarrierDQFull1) once its chunk is written (one
+// arrival per barrier per tile: a second one before the writer's sync would complete it early); the writer hands
+// the chunks back on
+// kBarrierDQEmpty once TMA has read them: for every tile but the last, or (kDQPass1InQ, the second pass staged in
+// the tile's Q stage, which the consumers return to the producer only then) for every tile.
 template <class Traits, bool kDeterministic>
 CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                   int n_block, int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
-  constexpr int kChunks = Traits::kDQChunksPerBlock;
+  constexpr int kPasses = Traits::kDQChunksPerBlock / 2;
+  static_assert(kPasses == 1 || (kPasses == 2 && Traits::kDQPass1InQ), "one staging buffer per pass");
   using ChunkShape = Shape<Int<Traits::kDQChunkRows>, Int<Traits::kDQChunkCols>>;
   Tensor sDQ = make_tensor(make_smem_ptr(ss.smem_dq.data()),
                            tile_to_shape(typename Traits::SmemLayoutDQChunk{},
@@ -493,6 +506,13 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
   Tensor gDQ = local_tile(mDQ, ChunkShape{}, make_coord(_, _));  // (rows, cols, row tiles, column tiles)
   auto [tDQgDQ, tDQsDQ] =
       tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sDQ), group_modes<0, 2>(gDQ));
+  // kDQPass1InQ: the Q stages seen as chunks, (rows, cols, warpgroup + 2 * stage).
+  Tensor sDQq = make_tensor(make_smem_ptr(reinterpret_cast<float*>(ss.smem_q.data())),
+                            tile_to_shape(typename Traits::SmemLayoutDQChunk{},
+                                          Shape<Int<Traits::kDQChunkRows>, Int<Traits::kDQChunkCols>,
+                                                Int<2 * Traits::kStages>>{}));
+  Tensor tDQsDQq = get<1>(
+      tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sDQq), group_modes<0, 2>(gDQ)));
   bool const leader = cute::elect_one_sync();
   int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                    params.seqlen_q_rounded, info.batch_idx, bidh);
@@ -501,33 +521,38 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
     int* sem = nullptr;
     int turn = 0;
     if (deterministic) { sem = dq_turn<Traits>(params, info, bidh, m_block, n_block, turn); }
+    int const stage = (m_block - m_block_min) % Traits::kStages;  // the consumers' Q stage of this tile
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kChunks; ++i) {
-      int const wg = i % 2;
-      cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + wg);
-      if (leader) {
-        if (deterministic && i == 0) { semaphore_wait_for_bulk(sem, turn); }
-        auto const tile = Traits::dq_chunk_tile(row_base, m_block, i);
-        copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, get<0>(tile), get<1>(tile)));
-        tma_store_arrive();
-      }
-      if (wg == 1) {  // both warpgroups' chunks of this pass issued
-        bool const last = i == kChunks - 1;
+    for (int pass = 0; pass < kPasses; ++pass) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int wg = 0; wg < 2; ++wg) {
+        cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads,
+                                          (pass == 0 ? Traits::kBarrierDQFull : Traits::kBarrierDQFull1) + wg);
         if (leader) {
-          if (deterministic && last) {
-            bulk_reductions_complete();  // every chunk added (which also means read out of shared memory)
-            semaphore_release(sem);
+          if (deterministic && pass == 0 && wg == 0) { semaphore_wait_for_bulk(sem, turn); }
+          auto const tile = Traits::dq_chunk_tile(row_base, m_block, 2 * pass + wg);
+          if (pass == 1) {
+            copy(params.tma_dq, tDQsDQq(_, wg + 2 * stage), tDQgDQ(_, get<0>(tile), get<1>(tile)));
           } else {
-            tma_store_wait<0>();  // read out of shared memory
+            copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, get<0>(tile), get<1>(tile)));
           }
+          tma_store_arrive();
         }
-        __syncwarp();
-        if (!last || m_block + 1 < m_block_max) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int w = 0; w < 2; ++w) {
-            cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + w);
-          }
-        }
+      }
+    }
+    if (leader) {
+      if (deterministic) {
+        bulk_reductions_complete();  // every chunk added (which also means read out of shared memory)
+        semaphore_release(sem);
+      } else {
+        tma_store_wait<0>();  // every chunk read out of shared memory
+      }
+    }
+    __syncwarp();
+    if (Traits::kDQPass1InQ || m_block + 1 < m_block_max) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int wg = 0; wg < 2; ++wg) {
+        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + wg);
       }
     }
   }
@@ -742,6 +767,12 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   Tensor sDQ = make_tensor(make_smem_ptr(ss.smem_dq.data()), typename Traits::SmemLayoutDQ{});
   Tensor tdQsdQ = thr_mma_dq.partition_C(sDQ);
   Tensor tdQsdQ_rc = make_tensor(tdQsdQ.data(), acc_rowcol(tdQsdQ.layout()));
+  // kDQPass1InQ: the same view over Q stage `stage` (its offset added per tile).
+  Tensor sDQq = make_tensor(make_smem_ptr(reinterpret_cast<float*>(ss.smem_q.data())), typename Traits::SmemLayoutDQ{});
+  Tensor tdQsdQq = thr_mma_dq.partition_C(sDQq);
+  Tensor tdQsdQq_rc = make_tensor(tdQsdQq.data(), acc_rowcol(tdQsdQq.layout()));
+  constexpr int kQStageFloats = kBlockM * kHeadDim * int(sizeof(Element)) / int(sizeof(float));
+  float* const ss_q_floats = reinterpret_cast<float*>(ss.smem_q.data());
   int const warpgroup = mma_tidx / cutlass::NumThreadsPerWarpGroup;
   Window<kBlockM, kBlockN> const window = make_window<kBlockM, kBlockN>(params, info);
   int interior_lo, interior_hi;
@@ -755,6 +786,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   if (m_block_max > m_block_min) {
     ss.barrier_kv.wait(0);
     typename Traits::PipelineState read_state;
+    typename Traits::PipelineState prev_read_state;  // kDQPass1InQ: the Q stage still held for the writer
     typename Traits::PipelinedOState read_state_do;
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
       int const stage = read_state.index(), stage_do = read_state_do.index();
@@ -815,6 +847,13 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
       cutlass::arch::fence_view_async_shared();
       consumers_sync();
 
+      static_assert(Traits::kDQPass1InQ, "dQ passes staged in smem_dq and the Q stage");
+      // Once the writer has read the previous tile's dQ chunks, its Q stage goes back to the producer (and smem_dq
+      // may take this tile's first pass).
+      if (m_block > m_block_min) {
+        cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
+        pipeline.consumer_release(prev_read_state);
+      }
       wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
       wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
       CUTLASS_PRAGMA_UNROLL
@@ -830,27 +869,31 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
           ++read_state_do;
         }
         warpgroup_wait<0>();
-        if (pass == 0) {  // dK is done too
-          pipeline.consumer_release(read_state);
+        bool const in_q_stage = pass == 1;
+        if (pass == 0) {  // dK is done too: the tile's Q stage is free for the second pass's chunk
+          prev_read_state = read_state;  // released next tile, or after the loop
           ++read_state;
         }
-        // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk, once the writer
-        // warp has read the previous one, then handed to the writer's TMA reduce-add.
-        if (m_block > m_block_min || pass > 0) {
-          cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
-        }
+        // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk of the pass.
         Tensor dq = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
+        float* const q_stage = in_q_stage ? ss_q_floats + prev_read_state.index() * kQStageFloats : nullptr;
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < size<0>(dq); ++r) {
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size<1>(dq); j += 2) {  // a column pair is 8 contiguous bytes under the swizzle
-            *reinterpret_cast<float2*>(&tdQsdQ_rc(r, j)) = make_float2(dq(r, j), dq(r, j + 1));
+            float* dst = in_q_stage ? q_stage + (&tdQsdQq_rc(r, j) - ss_q_floats) : &tdQsdQ_rc(r, j);
+            *reinterpret_cast<float2*>(dst) = make_float2(dq(r, j), dq(r, j + 1));
           }
         }
+        // To the writer's TMA reduce-add, on the pass's own barrier (one arrival per barrier per tile).
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
-        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + warpgroup);
+        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads,
+                                            (pass == 0 ? Traits::kBarrierDQFull : Traits::kBarrierDQFull1) + warpgroup);
       }
     }
+    // The last tile's Q stage (the producer's tail waits for it).
+    cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
+    pipeline.consumer_release(prev_read_state);
   }
 
   store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
