@@ -118,9 +118,13 @@ struct FwdTileConfig<256> {
 //   + kBlockM * kHeadDim * 4 (dQ) + 2 * kStages * kBlockM * 4 (LSE, D) bytes:
 //   hdim  64: kBlockM 128 x kBlockN 128 -> 194 KiB (Sᵀ, dPᵀ 64 registers each per thread; dK + dV 64);
 //   hdim 128: kBlockM  64 x kBlockN 128 -> 193 KiB (Sᵀ, dPᵀ 32 each; dK + dV 128).
-// head_dim 256 (no swap): kBlockM 64 x kBlockN 64, P and dS both in shared memory -> 208 KiB, and dK/dV split
-//   head_dim across the warpgroups (64 keys x 128 columns of each of dK and dV per warpgroup = 128 accumulator
-//   registers per thread; splitting keys would need 256).
+// head_dim 256 (no swap): kBlockM 64 x kBlockN 64, P and dS both in shared memory, dK/dV split head_dim across the
+//   warpgroups (64 keys x 128 columns of each of dK and dV per warpgroup = 128 accumulator registers per thread;
+//   splitting keys would need 256). Q 2 stages (64 KiB) + dO 1 stage (32) + K, V (64) + P, dS (16) + a dQ pass
+//   in fp32 (32) -> 208 KiB. dQ through shared memory and TMA reduce-add instead of per-thread float2 atomics:
+//   H200, 2026-12-01 (session 14; Nsight Compute at 16384: the atomics held the L2 crossbar 80 % busy and the
+//   tensor pipe at 30 %), bf16 bwd TFLOP/s before / after: 1024 239 / 313, 4096 275 / 382, 16384 290 / 396,
+//   causal 4096 253 / 348 (runs 3 and 5); the second pass staged in the Q stage gave +4-8 % of that.
 // Swap configurations: 2026-11-29 (session 2), replacing kBlockM 64 without swap at head_dim 64/128, which ran at
 // 0.70-0.80x cuDNN (benchmarks/NOTES.md "Backward v2").
 constexpr int kBwdSeqlenQRounding = 128;  // rows of the dQ accumulator / LSE / D workspaces: a multiple of kBlockM

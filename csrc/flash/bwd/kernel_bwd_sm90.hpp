@@ -3,14 +3,15 @@
 //
 // One CTA per (n_block of kBlockN keys, head, batch); K and V stay resident in shared memory.
 //   warpgroup 0        Producer: one thread loads K, V once (TMA), then Q and dO tiles of kBlockM query rows
-//                      (and, kSwapSdP, their LSE and D) through a kStages-deep pipeline (PipelineTmaAsync); in the
-//                      kSwapSdP variant warp 1 adds finished dQ tiles into the fp32 accumulator (TMA reduce-add).
+//                      (and, kSwapSdP, their LSE and D) through a kStages-deep pipeline (PipelineTmaAsync); warp 1
+//                      adds finished dQ tiles into the fp32 accumulator (TMA reduce-add).
 //   warpgroups 1..2    Consumers. Per Q tile: S = Q Kᵀ and dP = dO Vᵀ, P = exp2(S·scale_log2 − LSE_log2),
 //                      dS = P ∘ (dP − D), dV += Pᵀ dO, dK += dSᵀ Q, dQ_tile = dS K.
 //                      kSwapSdP (head_dim <= 128): Sᵀ/dPᵀ per warpgroup of 64 keys, Pᵀ and dSᵀ stay in registers
 //                      as the A operands of dV/dK; dS goes to shared memory for dQ only.
-//                      Otherwise (head_dim 256): P and dS go to shared memory for every GEMM; dQ_tile is added into
-//                      the accumulator with per-thread atomics.
+//                      Otherwise (head_dim 256): P and dS go to shared memory for every GEMM; dQ_tile, in two
+//                      passes of 128 columns, goes to shared memory for the same writer warp (the first pass to
+//                      its own buffer, the second to the tile's Q stage); dO has a one-stage pipeline of its own.
 //                      dK and dV stay in registers across the loop and are written once (dK scaled by α).
 #pragma once
 
