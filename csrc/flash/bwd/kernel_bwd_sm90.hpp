@@ -219,8 +219,9 @@ struct BwdSwapKernelTraits
   static constexpr int kDQBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
 };
 
-// dQ chunks of the head_dim 256 variant: one warpgroup's (64 rows, 64 columns) of a dQ pass, 128-byte swizzled so
-// the accumulator's row pairs store without bank conflicts, over the row-major (rows, head_dim) workspace.
+// dQ chunks of the head_dim 256 variant: one warpgroup's (64 rows, 64 columns) of a dQ pass over the row-major
+// (rows, head_dim) workspace, 128-byte swizzled so the accumulator's float2 stores conflict 2-way at most (4-way
+// row-major; bank simulation, session 14 review).
 using BwdDQChunk64x64 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<_64, _64>{}));
 
 // Variant for head_dim 256: S and dP as (rows, keys) with the warpgroups splitting the keys; P and dS go to shared
@@ -282,6 +283,9 @@ struct BwdKernelTraits
   // next tile to drain it instead of the few hundred cycles of one dQ GEMM. The consumers hand the stage back to the
   // producer once the writer has read it (kBarrierDQEmpty, which then covers both passes' chunks).
   static constexpr bool kDQPass1InQ = kDQPasses == 2;
+  // Its release waits for the next tile, so the producer needs a second Q stage to load that tile into; and the
+  // other warpgroup must not read the half being written (true when dK/dV split head_dim).
+  static_assert(!kDQPass1InQ || (kStages >= 2 && kDKVSplitD), "the second dQ pass needs its warpgroup's own Q half");
   static_assert(!kDQPass1InQ || kBlockM * kHeadDim == 2 * cute::cosize_v<SmemLayoutDQ>, "a Q stage holds one pass");
   // As in the kSwapSdP variant, over the row-major (rows, head_dim) workspace: chunk i holds columns [64 i, 64 i + 64).
   CUTLASS_DEVICE static auto dq_chunk_tile(int64_t row_base, int m_block, int i) {
@@ -871,7 +875,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
         }
         warpgroup_wait<0>();
         bool const in_q_stage = pass == 1;
-        if (pass == 0) {  // dK is done too: the tile's Q stage is free for the second pass's chunk
+        if (pass == 0) {  // this warpgroup's dK is done: its half of the Q stage may take the second pass (see the traits)
           prev_read_state = read_state;  // released next tile, or after the loop
           ++read_state;
         }
