@@ -15,7 +15,8 @@ Grid of the FlashAttention-3 paper's benchmark: batch * seqlen = 16384 tokens, h
 nheads = 2048 / head_dim, seqlen_q = seqlen_k, MHA ("dense" points). Forward FLOPs = 4 * batch * nheads * seqlen^2 *
 head_dim, halved when causal (for seqlen_q == seqlen_k the bottom-right causal mask of flash_attn_hopper equals
 SDPA's top-left ``is_causal``); backward FLOPs = 2.5 x forward. Feature points (``--features``): GQA (nheads_kv =
-nheads / 4; peers through SDPA ``enable_gqa``), sliding window, softcap and varlen, at head_dim 128. A feature this
+nheads / 4; peers through SDPA ``enable_gqa``), sliding window, softcap and varlen, at head_dim 128; deterministic
+backward at every head dim of the run. A feature this
 build of flash_attn_hopper lacks is recorded as a skipped point with the reason (so the point appears, measured,
 once the feature lands); the peers are not run there.
 
@@ -75,6 +76,8 @@ SCHEMA = 2  # 1: the records of benchmarks/bench_attention.py before the nightly
 # Feature points: measured at these head dims and seqlens (intersected with --head-dims / --seqlens).
 FEATURES = ("dense", "gqa", "varlen", "window", "softcap", "deterministic")
 FEATURE_HEAD_DIMS = (128,)
+# Features measured at every head dim of the run instead: deterministic mode's cost must hold at each (issue 7).
+FEATURES_EVERY_HEAD_DIM = ("deterministic",)
 FEATURE_SEQLENS = (1024, 4096, 16384)
 GQA_GROUP = 4  # nheads / nheads_kv
 WINDOW = 1024  # window_size = (WINDOW, WINDOW), or (WINDOW, 0) when causal
@@ -132,8 +135,8 @@ def parse_args(argv=None):
         "--features",
         type=_choice_list(FEATURES),
         default=",".join(FEATURES),
-        help="point kinds: dense MHA and the features, at head_dim 128 and seqlens 1024/4096/16384 "
-        "(default %(default)s; a feature ours lacks is recorded as skipped with the reason)",
+        help="point kinds: dense MHA and the features, at head_dim 128 (deterministic: every head dim) and seqlens "
+        "1024/4096/16384 (default %(default)s; a feature ours lacks is recorded as skipped with the reason)",
     )
     g.add_argument(
         "--tokens", type=int, default=16384, help="batch * seqlen; batch = max(1, tokens // seqlen) (default 16384)"
@@ -223,7 +226,10 @@ def grid_specs(args):
     for feat in args.features:
         if feat != "dense":
             specs += [
-                {"feature": feat, "head_dim": hd, "causal": c, "seqlen": s} for hd in hds for c in causals for s in sls
+                {"feature": feat, "head_dim": hd, "causal": c, "seqlen": s}
+                for hd in (args.head_dims if feat in FEATURES_EVERY_HEAD_DIM else hds)
+                for c in causals
+                for s in sls
             ]
     return specs
 

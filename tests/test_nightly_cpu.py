@@ -226,10 +226,16 @@ def test_grid_has_feature_points_and_window_flops():
     specs = nb.grid_specs(args)
     dense = [s for s in specs if s["feature"] == "dense"]
     assert len(dense) == 3 * 2 * 6
-    for f in ("gqa", "varlen", "window", "softcap", "deterministic"):
+    for f in ("gqa", "varlen", "window", "softcap"):
         fs = [s for s in specs if s["feature"] == f]
         assert {s["head_dim"] for s in fs} == {128} and {s["seqlen"] for s in fs} == {1024, 4096, 16384}
         assert len(fs) == 6
+    # Deterministic mode's cost is asked for at every head dim.
+    fs = [s for s in specs if s["feature"] == "deterministic"]
+    assert {s["head_dim"] for s in fs} == {64, 128, 256} and {s["seqlen"] for s in fs} == {1024, 4096, 16384}
+    assert len(fs) == 3 * 2 * 3
+    one = nb.grid_specs(nb.parse_args(["--head-dims", "256", "--features", "deterministic", "--json", "x"]))
+    assert {s["head_dim"] for s in one} == {256}
     assert nb.parse_args(["--features", "dense", "--json", "x"]).features == ["dense"]
     assert nb.window_pairs(4, 1, 0) == 4 + 3 and nb.window_pairs(4, 10, 10) == 16
     causal = {"feature": "window", "head_dim": 64, "causal": True, "seqlen": 4}
@@ -336,7 +342,9 @@ def test_cli_run_writes_record_with_meta_stats_and_skips(tmp_path):
     skipped = [r for r in doc["results"] if r.get("skipped")]
     assert {r["feature"] for r in skipped} == {"gqa", "varlen", "window", "softcap", "deterministic"}
     assert all(r["skipped"].startswith("not in flash_attn_hopper yet") for r in skipped)
-    assert {r["head_dim"] for r in skipped} == {128} and {r["seqlen"] for r in skipped} == {1024, 4096}
+    assert {r["seqlen"] for r in skipped} == {1024, 4096}
+    assert {r["head_dim"] for r in skipped if r["feature"] != "deterministic"} == {128}
+    assert {r["head_dim"] for r in skipped if r["feature"] == "deterministic"} == {64, 128}  # the run's head dims
 
 
 def test_cli_second_run_compared_with_first_passes(tmp_path, capsys):
