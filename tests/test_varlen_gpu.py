@@ -145,6 +145,22 @@ def test_varlen_epilogue_slabs(head_dim):
     _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), f"slabs hdim{head_dim}")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_varlen_dkv_store_blocks(head_dim):
+    """The backward stores a key block's dK and dV with TMA when the block lies inside its sequence and thread by
+    thread when it reaches past its end (TMA would write into the next sequence's rows), and only without GQA: MHA,
+    key lengths around the multiples of 64 and 128 (the key block heights), so whole and partial blocks alternate
+    between neighbouring sequences, both masks."""
+    dtype = _built_dtype(head_dim)
+    edges = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257]
+    gen = torch.Generator().manual_seed(11)
+    lk = [edges[i] for i in torch.randint(0, len(edges), (24,), generator=gen).tolist()]
+    lq = torch.randint(1, 300, (24,), generator=gen).tolist()
+    q, k, v, dout = _inputs(lq, lk, 3, 3, head_dim, dtype)
+    for causal in (False, True):
+        _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), f"dkv blocks hdim{head_dim}", causal=causal)
+
+
 def test_varlen_bad_cu_seqlens_raise():
     dtype = _built_dtype(64)
     q, k, v, _ = _inputs([10, 20], [10, 20], 2, 2, 64, dtype)

@@ -96,6 +96,11 @@ struct BwdTraitsBase {
                                              make_layout(make_shape(int32_t(0), Int<kDQAccumCols>{}),
                                                          make_stride(Int<kDQAccumCols>{}, _1{}))));
   using TmaDQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, DQAccumTensor{}, SmemLayoutDQChunk{}));
+  // dK and dV leave through sK and sV (store_dkv_tma): K/V-shaped tiles, stored.
+  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                             make_layout(ShapeQKV{}, StrideQKV{})));
+  using TmaDKV = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutKV{},
+                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 
   struct Params {
     TmaQ tma_q;
@@ -103,6 +108,8 @@ struct BwdTraitsBase {
     TmaKV tma_k;
     TmaKV tma_v;
     TmaDQ tma_dq;
+    TmaDKV tma_dk;  // dK as K's shape (seqlen or total rows, head_dim, nheads, batch); only when dkv_tma
+    TmaDKV tma_dv;
     ShapeQKV shape_q;
     ShapeQKV shape_do;  // dO and V: head_dim_v in place of head_dim
     ShapeQKV shape_k;
@@ -135,6 +142,7 @@ struct BwdTraitsBase {
     float score_scale_log2, softcap_pre;
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
+    bool dkv_tma;  // dK/dV stored by TMA (no GQA sums, TMA-compatible views); else per-thread stores
   };
 };
 
@@ -163,6 +171,7 @@ struct BwdSwapKernelTraits
   // words inside the consumer loop at 232, so it keeps 240.
   static constexpr int kProducerRegs = kHeadDim <= 64 ? 24 : 40;
   static constexpr int kConsumerRegs = kHeadDim <= 64 ? 240 : 232;
+  static_assert(register_budget_fits<Base::NumThreads, kProducerRegs, kConsumerRegs>());
   static_assert(kBlockN == 64 * Base::NumMmaWarpGroups, "each warpgroup owns 64 keys");
   static_assert(kBlockM % 64 == 0 && kHeadDim <= 128);
 
@@ -242,6 +251,7 @@ struct BwdKernelTraits
   // words at 24/240; head_dim 256 spilled 20 bytes at 56/224 and 184 bytes (mostly producer) at 24/240.
   static constexpr int kProducerRegs = kHeadDim > 128 ? 56 : 24;
   static constexpr int kConsumerRegs = kHeadDim > 128 ? 224 : 240;
+  static_assert(register_budget_fits<Base::NumThreads, kProducerRegs, kConsumerRegs>());
   // dQ_tile is computed in head_dim slices so its accumulator stays at 32 registers per thread beside the 128 of
   // dK and dV (a whole head_dim 256 tile needs 64 and spills).
   static constexpr int kDQPasses = kHeadDim > 128 ? 2 : 1;
@@ -491,6 +501,53 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
   }
 }
 
+// dK and dV through shared memory and TMA stores instead of per-thread ones (each warp instruction of those touches
+// 8 rows with 4 bytes per thread; in the forward the same change halved the per-tile cost). They go over sK and sV,
+// which every GEMM of the CTA has finished reading once both consumer warpgroups reach the first barrier (each waited
+// for all its WGMMAs at the end of its last tile; with no tile, K and V were never loaded). Returns false, having done
+// nothing, where TMA cannot store: GQA sums or views TMA cannot take (!dkv_tma), or a varlen key block reaching past
+// its sequence (a TMA store clips only at the packed tensor's end, so it would write into the next sequence's rows).
+template <class Traits, class TensorAcc>
+CUTLASS_DEVICE bool store_dkv_tma(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
+                                  TensorAcc const& tdVrdV, TensorAcc const& tdKrdK, int mma_tidx, int n_block,
+                                  int bidh, SeqlenInfo const& info) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  if (!params.dkv_tma || (params.cu_seqlens_k != nullptr && (n_block + 1) * kBlockN > info.seqlen_k)) { return false; }
+  Tensor rdV = make_tensor_like<Element>(tdVrdV);
+  Tensor rdK = make_tensor_like<Element>(tdKrdK);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tdVrdV); ++i) {
+    rdV(i) = Element(tdVrdV(i));
+    rdK(i) = Element(tdKrdK(i) * params.softmax_scale);
+  }
+  Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});
+  typename Traits::TiledMmadKV tiled_mma_dkv;
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma_dkv);
+  auto thr_copy = smem_copy.get_thread_slice(mma_tidx);
+  cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1);  // no GEMM reads sK or sV any more
+  copy(smem_copy, thr_copy.retile_S(rdV), thr_copy.partition_D(sV));
+  copy(smem_copy, thr_copy.retile_S(rdK), thr_copy.partition_D(sK));
+  tma_store_fence();  // the generic-proxy writes above, before the async proxy reads them
+  cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1);
+  if (mma_tidx == 0) {
+    auto tile = [&](auto const& tma, auto const& shape) {
+      Tensor m = domain_offset(make_coord(info.offset_k, _0{}), tma.get_tma_tensor(shape)(_, _, bidh, info.bidb));
+      return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));  // (N, d)
+    };
+    Tensor gdK = tile(params.tma_dk, params.shape_k);
+    Tensor gdV = tile(params.tma_dv, params.shape_v);
+    auto [tdKgdK, tdKsdK] = tma_partition(params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gdK));
+    auto [tdVgdV, tdVsdV] = tma_partition(params.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gdV));
+    copy(params.tma_dk, tdKsdK, tdKgdK);
+    copy(params.tma_dv, tdVsdV, tdVgdV);
+    tma_store_arrive();
+    tma_store_wait<0>();  // shared memory must outlive the reads: the CTA exits next
+  }
+  return true;
+}
+
 // dQ writer warp: for each Q tile, adds the consumers' dQ chunks (Traits::kDQChunksPerBlock, in (pass, warpgroup)
 // order) from shared memory into the fp32 workspace (TMA reduce-add, one elected lane). Each warpgroup arrives once
 // per tile and pass on that pass's barrier (kBarrierDQFull, kBarrierDQFull1) once its chunk is written (one
@@ -710,7 +767,9 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
     }
   }
 
-  store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+  if (!store_dkv_tma<Traits>(params, ss, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info)) {
+    store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+  }
 }
 
 // Consumer perspective (mma_tidx in [0, NumMmaThreads)).
@@ -901,7 +960,9 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
     pipeline.consumer_release(prev_read_state);
   }
 
-  store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+  if (!store_dkv_tma<Traits>(params, ss, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info)) {
+    store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+  }
 }
 
 // Producer warpgroup: producer role; thread 0 initialises the barriers and issues the loads.
@@ -940,6 +1001,10 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_dq.get_tma_descriptor());
+    if (params.dkv_tma) {
+      cute::prefetch_tma_descriptor(params.tma_dk.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_dv.get_tma_descriptor());
+    }
     ss.barrier_kv.init(/*arrive_count=*/1);
   }
 

@@ -79,12 +79,33 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
                                 make_layout(make_shape(int32_t(dq_accum_rows), Int<Traits::kDQAccumCols>{}),
                                             make_stride(Int<Traits::kDQAccumCols>{}, _1{})));
 
+  // dK/dV by TMA store (store_dkv_tma) where the views allow it: 16-byte aligned base and strides (modes of extent 1
+  // aside). GQA adds fp32 sums instead; descriptors are then made over K and V and never used.
+  auto tma_aligned = [](void const* ptr, int64_t row, int rows, int64_t head, int nheads, int64_t batch, int nb) {
+    auto ok = [](int64_t stride, int extent) {
+      return extent <= 1 || (stride > 0 && (stride * int64_t(sizeof(Element))) % 16 == 0);
+    };
+    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && ok(row, rows) && ok(head, nheads) && ok(batch, nb);
+  };
+  int const batch_views = varlen ? 1 : p.batch;
+  bool const dkv_tma =
+      !gqa && tma_aligned(p.dk_ptr, p.dk_row_stride, rows_k, p.dk_head_stride, p.nheads, p.dk_batch_stride, batch_views) &&
+      tma_aligned(p.dv_ptr, p.dv_row_stride, rows_k, p.dv_head_stride, p.nheads, p.dv_batch_stride, batch_views);
+  auto out_gmem = [&](void* ptr, auto const& fallback, int head_dim, int64_t row, int64_t head, int64_t batch) {
+    auto view = dkv_tma ? gmem(ptr, rows_k, head_dim, p.nheads, row, head, batch) : fallback;
+    return make_tensor(make_gmem_ptr(const_cast<Element*>(view.data().get())), view.layout());
+  };
+  auto mdK = out_gmem(p.dk_ptr, mK, p.head_dim, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride);
+  auto mdV = out_gmem(p.dv_ptr, mV, p.head_dim_v, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride);
+
   typename Traits::Params kp{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, q_smem, q_tile, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mdO, q_smem, q_tile, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mK, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mV, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
       make_tma_copy(SM90_TMA_REDUCE_ADD{}, mDQaccum, typename Traits::SmemLayoutDQChunk{}),
+      make_tma_copy(SM90_TMA_STORE{}, mdK, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, mdV, typename Traits::SmemLayoutKV{}, kv_tile, _1{}),
       mQ.shape(),
       mdO.shape(),
       mK.shape(),
@@ -120,6 +141,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       window_left,
       window_right,
       p.doc_bounds,
+      dkv_tma,
   };
   // Softcap and deterministic mode are template arguments: either one's code in the loop (softcap's registers; the
   // memory fences of deterministic mode, which turn every fire-and-forget dQ reduction into a waited-for atomic)

@@ -12,6 +12,15 @@ namespace flash {
 
 using namespace cute;
 
+// setmaxnreg only moves registers between the warpgroups of a CTA, within what the launch gave it (65536 / threads
+// per thread, in steps of 8: 168 at 384 threads). Consumers that ask for more than the producer frees wait in
+// setmaxnreg forever: a hang, not an error (session 15: 32/240/240 at 384 threads hung the head_dim 128 backward).
+template <int kThreads, int kProducerRegs, int kConsumerRegs>
+constexpr bool register_budget_fits() {
+  constexpr int kWarpGroups = kThreads / 128;
+  return kProducerRegs + (kWarpGroups - 1) * kConsumerRegs <= kWarpGroups * (65536 / kThreads / 8 * 8);
+}
+
 // Issues one asynchronous WGMMA over all k-blocks of A and B into C and commits it as one batch.
 // The caller waits (warpgroup_wait<N>) before reading C. zero_init overwrites C instead of accumulating.
 template <bool zero_init, class TiledMma, class TensorA, class TensorB, class TensorC>

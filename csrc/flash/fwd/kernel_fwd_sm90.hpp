@@ -59,6 +59,7 @@ struct FwdKernelTraits {
   static_assert(NumMmaWarpGroups == 2 || NumMmaWarpGroups == 3, "register budgets for two or three consumers");
   static constexpr int kProducerRegs = NumMmaWarpGroups == 2 ? 56 : 32;
   static constexpr int kConsumerRegs = NumMmaWarpGroups == 2 ? 224 : 160;
+  static_assert(register_budget_fits<NumThreads, kProducerRegs, kConsumerRegs>());
   // head_dim: whole 32-element (64-byte) swizzle atoms of the K-major Q/K/V tiles (96 = 3 x 32); kBlockN: WGMMA's K.
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0);
 
