@@ -538,8 +538,10 @@ CUTLASS_DEVICE bool store_dkv_tma(typename Traits::Params const& params, typenam
     };
     Tensor gdK = tile(params.tma_dk, params.shape_k);
     Tensor gdV = tile(params.tma_dv, params.shape_v);
-    auto [tdKgdK, tdKsdK] = tma_partition(params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gdK));
-    auto [tdVgdV, tdVsdV] = tma_partition(params.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gdV));
+    auto [tdKgdK, tdKsdK] =
+        tma_partition(params.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gdK));
+    auto [tdVgdV, tdVsdV] =
+        tma_partition(params.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gdV));
     copy(params.tma_dk, tdKsdK, tdKgdK);
     copy(params.tma_dv, tdVsdV, tdVgdV);
     tma_store_arrive();
@@ -934,7 +936,8 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
         }
         warpgroup_wait<0>();
         bool const in_q_stage = pass == 1;
-        if (pass == 0) {  // this warpgroup's dK is done: its half of the Q stage may take the second pass (see the traits)
+        // Pass 0 done: this warpgroup's dK is too, so its half of the Q stage may take the second pass (the traits).
+        if (pass == 0) {
           prev_read_state = read_state;  // released next tile, or after the loop
           ++read_state;
         }
@@ -1040,7 +1043,8 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   if constexpr (Traits::kSeparatedO) {
     Pipeline pipeline(ss.pipeline_q, bwd_pipeline_params<Pipeline, Traits>(Traits::kTmaBytesQ), Shape<_1, _1, _1>{});
     using PipelinedO = typename Traits::PipelinedO;
-    PipelinedO pipeline_do(ss.pipeline_do, bwd_pipeline_params<PipelinedO, Traits>(Traits::kTmaBytesdO), Shape<_1, _1, _1>{});
+    PipelinedO pipeline_do(ss.pipeline_do, bwd_pipeline_params<PipelinedO, Traits>(Traits::kTmaBytesdO),
+                           Shape<_1, _1, _1>{});
     run(pipeline, pipeline_do);
   } else {
     Pipeline pipeline(ss.pipeline_q, bwd_pipeline_params<Pipeline, Traits>(Traits::kTmaBytesQdO), Shape<_1, _1, _1>{});

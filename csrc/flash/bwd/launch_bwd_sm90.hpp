@@ -89,7 +89,8 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   };
   int const batch_views = varlen ? 1 : p.batch;
   bool const dkv_tma =
-      !gqa && tma_aligned(p.dk_ptr, p.dk_row_stride, rows_k, p.dk_head_stride, p.nheads, p.dk_batch_stride, batch_views) &&
+      !gqa &&
+      tma_aligned(p.dk_ptr, p.dk_row_stride, rows_k, p.dk_head_stride, p.nheads, p.dk_batch_stride, batch_views) &&
       tma_aligned(p.dv_ptr, p.dv_row_stride, rows_k, p.dv_head_stride, p.nheads, p.dv_batch_stride, batch_views);
   auto out_gmem = [&](void* ptr, auto const& fallback, int head_dim, int64_t row, int64_t head, int64_t batch) {
     auto view = dkv_tma ? gmem(ptr, rows_k, head_dim, p.nheads, row, head, batch) : fallback;
