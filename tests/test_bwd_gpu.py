@@ -425,6 +425,21 @@ def test_gqa_fwd_bwd_match_reference(dtype, head_dim, causal, seqlen_q, seqlen_k
         assert torch.equal(t, b), "inputs must not be modified"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_gqa_group_per_cta_large_grid(head_dim, causal):
+    """8 x 1100 tokens, 12 query heads on 4 K/V heads: 9 key blocks (head_dim 256: 18) x 4 x 8 CTAs fill a 132-SM GPU
+    twice, so the launcher runs each group's three query heads in one CTA (flash/config.hpp bwd_heads_per_cta): dQ, dK,
+    dV by the rule (tests/test_bwd_gqa_group_gpu.py forces each mode on the other GQA tests)."""
+    dtype = _built_dtype(head_dim)
+    batch, seqlen, nheads, nheads_k = 8, 1100, 12, 4
+    q = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    k, v = (_randn(batch, seqlen, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    _, grads = _backward(q, k, v, dout, causal=causal)
+    _check_grads(grads, q, k, v, dout, causal=causal, name="gqa group per CTA")
+
+
 @pytest.mark.parametrize("layout", ["packed_kv", "transposed"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_gqa_strided_kv(head_dim, layout):

@@ -485,10 +485,13 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   at::Tensor dq_accum = zeroed({ws_outer, rows, int64_t(padded_head_dim(std::max(head_dim, head_dim_v)))}, f32);
   at::Tensor lse_log2 = at::empty({ws_outer, rows}, f32);
   at::Tensor dpsum = at::empty({ws_outer, rows}, f32);
-  // GQA/MQA: the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
-  bool const gqa = nheads_k != nheads;
+  // GQA/MQA: one CTA runs a whole group's query heads over its K/V tile where that grid fills the GPU (dK/dV written
+  // directly); else the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
+  int const heads_per_cta = flash::bwd_heads_per_cta(std::max(head_dim, head_dim_v), seqlen_k, batch, nheads, nheads_k,
+                                                     num_sms(q));
+  bool const sums = nheads_k != nheads && heads_per_cta == 1;
   at::Tensor dk_accum, dv_accum;
-  if (gqa) {
+  if (sums) {
     dk_accum = zeroed(k.sizes(), f32);
     dv_accum = zeroed(v.sizes(), f32);
   }
@@ -497,7 +500,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   if (deterministic) {
     auto i32 = q.options().dtype(at::kInt);
     dq_semaphore = zeroed({ws_outer * rows / 64}, i32);  // one per 64 workspace rows (flash/bwd dq_turn)
-    if (gqa) { dkv_semaphore = zeroed({int64_t(batch) * nheads_k * ((seqlen_k + 63) / 64)}, i32); }
+    if (sums) { dkv_semaphore = zeroed({int64_t(batch) * nheads_k * ((seqlen_k + 63) / 64)}, i32); }
   }
   at::Tensor dq4 = dq.dim() == 3 ? dq.unsqueeze(0) : dq;
   at::Tensor dk4 = dk.dim() == 3 ? dk.unsqueeze(0) : dk;
@@ -517,8 +520,9 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   p.dq_accum_ptr = dq_accum.data_ptr<float>();
   p.lse_log2_ptr = lse_log2.data_ptr<float>();
   p.dpsum_ptr = dpsum.data_ptr<float>();
-  p.dk_accum_ptr = gqa ? dk_accum.data_ptr<float>() : nullptr;
-  p.dv_accum_ptr = gqa ? dv_accum.data_ptr<float>() : nullptr;
+  p.dk_accum_ptr = sums ? dk_accum.data_ptr<float>() : nullptr;
+  p.heads_per_cta = heads_per_cta;
+  p.dv_accum_ptr = sums ? dv_accum.data_ptr<float>() : nullptr;
   p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
   p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
@@ -542,7 +546,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
 
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper backward launch failed: ", cudaGetErrorString(err));
-  if (gqa) {
+  if (sums) {
     dk4.copy_(dk_accum);
     dv4.copy_(dv_accum);
   }

@@ -23,6 +23,7 @@ constexpr int kFwdPersistentMaxKeyBlocks = 32;
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 
 namespace flash {
 
@@ -139,5 +140,20 @@ struct BwdTileConfig {
   static constexpr bool kDKVSplitD = kHeadDim > 128;
   static_assert(kBwdSeqlenQRounding % kBlockM == 0);
 };
+
+// GQA backward: one CTA per (key block, K/V head) runs every query head of the group over its K/V tile, keeping dK/dV
+// in registers across them and storing them once (no fp32 sums of the group's heads, their zero fill and conversion
+// kernels: session 15, NOTES.md), when the grid so formed still fills the GPU twice over; else one CTA per (key
+// block, query head), summing in fp32. Returns the query heads per CTA (1 or the group size). FAH_BWD_GQA_GROUP_CTA=1
+// or 0 forces either (tests/test_bwd_gqa_group_gpu.py runs the GQA tests under both).
+inline int bwd_heads_per_cta(int head_dim, int seqlen_k, int batch, int nheads, int nheads_k, int num_sms) {
+  if (nheads_k <= 0 || nheads == nheads_k || nheads % nheads_k != 0) { return 1; }
+  if (char const* v = std::getenv("FAH_BWD_GQA_GROUP_CTA"); v != nullptr && (v[0] == '0' || v[0] == '1')) {
+    return v[0] == '1' ? nheads / nheads_k : 1;
+  }
+  int const block_n = head_dim <= 128 ? BwdTileConfig<128>::kBlockN : BwdTileConfig<256>::kBlockN;
+  int64_t const ctas = int64_t((seqlen_k + block_n - 1) / block_n) * nheads_k * batch;
+  return ctas >= 2 * int64_t(num_sms) ? nheads / nheads_k : 1;
+}
 
 }  // namespace flash

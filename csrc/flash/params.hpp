@@ -68,6 +68,9 @@ struct BwdParams {
   // zeroed fp32 contiguous buffers shaped like k and v instead; the host converts them.
   float* dk_accum_ptr;
   float* dv_accum_ptr;
+  // Query heads per backward CTA: 1, or (GQA, dk_accum_ptr null) the whole group, which then writes dk/dv (nheads_k
+  // heads) directly (flash/config.hpp bwd_heads_per_cta).
+  int heads_per_cta = 1;
 
   // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to kBwdSeqlenQRounding = 128; varlen:
   // per head, each sequence in whole tiles, flash/common/seqlen.hpp bwd_workspace_row):

@@ -1,7 +1,8 @@
 // Warp-specialized backward attention kernel for sm_90a (FlashAttention-3 paper §2.1 gradient equations,
 // §3 Hopper execution model; the K/V-stationary loop of FlashAttention-2 §3.2).
 //
-// One CTA per (n_block of kBlockN keys, head, batch); K and V stay resident in shared memory.
+// One CTA per (n_block of kBlockN keys, head, batch), or (GQA, heads_per_cta) per (n_block, K/V head, batch)
+// running the group's query heads one after another; K and V stay resident in shared memory.
 //   warpgroup 0        Producer: one thread loads K, V once (TMA), then Q and dO tiles of kBlockM query rows
 //                      (and, kSwapSdP, their LSE and D) through a kStages-deep pipeline (PipelineTmaAsync); warp 1
 //                      adds finished dQ tiles into the fp32 accumulator (TMA reduce-add).
@@ -143,6 +144,9 @@ struct BwdTraitsBase {
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
     bool dkv_tma;  // dK/dV stored by TMA (no GQA sums, TMA-compatible views); else per-thread stores
+    // Query heads per CTA, one after another over the same K/V tile: 1, or (GQA) the whole group, whose dK/dV then
+    // stay in registers across the group's heads and are stored once (no fp32 sums).
+    int heads_per_cta;
   };
 };
 
@@ -338,7 +342,7 @@ CUTLASS_DEVICE void softcap_p_ds(float& s, float& dp, float score_scale_log2, fl
 template <class Traits>
 CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline, typename Traits::PipelinedO& pipeline_do,
-                                 int n_block, int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
+                                 int n_block, int bidh0, SeqlenInfo const& info, int m_block_min, int m_block_max) {
   using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
 
@@ -347,25 +351,13 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
   Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});   // (N, d)
   Tensor sV = make_tensor(make_smem_ptr(ss.smem_v.data()), typename Traits::SmemLayoutKV{});   // (N, d)
 
-  // This sequence's rows (varlen: from its row offset; rows past it are loaded but never used).
-  auto rows_q = [&](auto const& tma, auto const& shape) {
-    return domain_offset(make_coord(info.offset_q, _0{}), tma.get_tma_tensor(shape)(_, _, bidh, info.bidb));
-  };
-  Tensor mQ = rows_q(params.tma_q, params.shape_q);
-  Tensor mdO = rows_q(params.tma_do, params.shape_do);
-  int const bidh_kv = bidh / (params.nheads / params.nheads_k);
+  int const bidh_kv = bidh0 / (params.nheads / params.nheads_k);
   Tensor mK = domain_offset(make_coord(info.offset_k, _0{}),
                             params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, info.bidb));
   Tensor mV = domain_offset(make_coord(info.offset_k, _0{}),
                             params.tma_v.get_tma_tensor(params.shape_v)(_, _, bidh_kv, info.bidb));
-  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));    // (M, d, m_blocks)
-  Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m_blocks)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));  // (N, d)
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));  // (N, d)
-
-  auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-  auto [tdOgdO, tdOsdO] =
-      tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
   auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
@@ -375,29 +367,44 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
 
   auto write_state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   auto write_state_do = cutlass::make_producer_start_state<typename Traits::PipelinedO>();
-  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-    pipeline.producer_acquire(write_state);
-    BarrierType* full = pipeline.producer_get_barrier(write_state);
-    copy(params.tma_q.with(*full, 0), tQgQ(_, m_block), tQsQ(_, write_state.index()));
-    if constexpr (Traits::kSeparatedO) {
-      // dO's stage frees up once the dV GEMM has read it, which is earlier in an iteration than Q's.
-      pipeline_do.producer_acquire(write_state_do);
-      copy(params.tma_do.with(*pipeline_do.producer_get_barrier(write_state_do), 0), tdOgdO(_, m_block),
-           tdOsdO(_, write_state_do.index()));
-      ++write_state_do;
-    } else {
-      copy(params.tma_do.with(*full, 0), tdOgdO(_, m_block), tdOsdO(_, write_state.index()));
+  // The CTA's query heads (params.heads_per_cta: 1, or a whole GQA group sharing this K/V tile), one after another.
+  for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {  // the CTA's query heads
+    // This sequence's rows (varlen: from its row offset; rows past it are loaded but never used).
+    auto rows_q = [&](auto const& tma, auto const& shape) {
+      return domain_offset(make_coord(info.offset_q, _0{}), tma.get_tma_tensor(shape)(_, _, bidh, info.bidb));
+    };
+    Tensor mQ = rows_q(params.tma_q, params.shape_q);
+    Tensor mdO = rows_q(params.tma_do, params.shape_do);
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));    // (M, d, m_blocks)
+    Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m_blocks)
+    auto [tQgQ, tQsQ] =
+        tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] =
+        tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      pipeline.producer_acquire(write_state);
+      BarrierType* full = pipeline.producer_get_barrier(write_state);
+      copy(params.tma_q.with(*full, 0), tQgQ(_, m_block), tQsQ(_, write_state.index()));
+      if constexpr (Traits::kSeparatedO) {
+        // dO's stage frees up once the dV GEMM has read it, which is earlier in an iteration than Q's.
+        pipeline_do.producer_acquire(write_state_do);
+        copy(params.tma_do.with(*pipeline_do.producer_get_barrier(write_state_do), 0), tdOgdO(_, m_block),
+             tdOsdO(_, write_state_do.index()));
+        ++write_state_do;
+      } else {
+        copy(params.tma_do.with(*full, 0), tdOgdO(_, m_block), tdOsdO(_, write_state.index()));
+      }
+      if constexpr (Traits::kSwapSdP) {
+        // LSE_log2 and D of the tile's rows (workspace rows come in whole tiles, so every tile is whole).
+        int64_t const row0 = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+                                                                     params.seqlen_q_rounded, info.batch_idx, bidh) +
+                             m_block * kBlockM;
+        int const off = write_state.index() * kBlockM;
+        SM90_BULK_COPY_G2S::copy(params.lse_log2_ptr + row0, full, ss.smem_lse.data() + off, Traits::kStatBytes);
+        SM90_BULK_COPY_G2S::copy(params.dpsum_ptr + row0, full, ss.smem_dpsum.data() + off, Traits::kStatBytes);
+      }
+      ++write_state;
     }
-    if constexpr (Traits::kSwapSdP) {
-      // LSE_log2 and D of the tile's rows (workspace rows come in whole tiles, so every tile is whole).
-      int64_t const row0 = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                                   params.seqlen_q_rounded, info.batch_idx, bidh) +
-                           m_block * kBlockM;
-      int const off = write_state.index() * kBlockM;
-      SM90_BULK_COPY_G2S::copy(params.lse_log2_ptr + row0, full, ss.smem_lse.data() + off, Traits::kStatBytes);
-      SM90_BULK_COPY_G2S::copy(params.dpsum_ptr + row0, full, ss.smem_dpsum.data() + off, Traits::kStatBytes);
-    }
-    ++write_state;
   }
   pipeline.producer_tail(write_state);
   if constexpr (Traits::kSeparatedO) { pipeline_do.producer_tail(write_state_do); }
@@ -481,6 +488,8 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
       if (mma_tidx == 0) { semaphore_release(sem); }
     }
   } else {
+    // dK/dV of nheads_k heads: MHA, or a CTA that ran a whole GQA group (heads_per_cta).
+    int const bidh_kv = bidh / (params.nheads / params.nheads_k);
     using Element = typename Traits::Element;
     auto store = [](Element* base, float scale) {
       return [=](int64_t idx, float x0, float x1) {
@@ -492,11 +501,11 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
     };
     for_each_row_pair(tdVrdV, tdKVcdKV, params.dv_row_stride, key_offset, info.seqlen_k, params.head_dim_v,
                       store(params.dv_ptr + info.bidb * params.dv_batch_stride + info.offset_k * params.dv_row_stride +
-                                bidh * params.dv_head_stride,
+                                bidh_kv * params.dv_head_stride,
                             1.f));
     for_each_row_pair(tdKrdK, tdKVcdKV, params.dk_row_stride, key_offset, info.seqlen_k, params.head_dim,
                       store(params.dk_ptr + info.bidb * params.dk_batch_stride + info.offset_k * params.dk_row_stride +
-                                bidh * params.dk_head_stride,
+                                bidh_kv * params.dk_head_stride,
                             params.softmax_scale));
   }
 }
@@ -533,7 +542,8 @@ CUTLASS_DEVICE bool store_dkv_tma(typename Traits::Params const& params, typenam
   cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1);
   if (mma_tidx == 0) {
     auto tile = [&](auto const& tma, auto const& shape) {
-      Tensor m = domain_offset(make_coord(info.offset_k, _0{}), tma.get_tma_tensor(shape)(_, _, bidh, info.bidb));
+      int const bidh_kv = bidh / (params.nheads / params.nheads_k);  // MHA, or a whole GQA group in this CTA
+      Tensor m = domain_offset(make_coord(info.offset_k, _0{}), tma.get_tma_tensor(shape)(_, _, bidh_kv, info.bidb));
       return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));  // (N, d)
     };
     Tensor gdK = tile(params.tma_dk, params.shape_k);
@@ -559,7 +569,7 @@ CUTLASS_DEVICE bool store_dkv_tma(typename Traits::Params const& params, typenam
 // the tile's Q stage, which the consumers return to the producer only then) for every tile.
 template <class Traits, bool kDeterministic>
 CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                  int n_block, int bidh, SeqlenInfo const& info, int m_block_min, int m_block_max) {
+                                  int n_block, int bidh0, SeqlenInfo const& info, int m_block_min, int m_block_max) {
   constexpr int kPasses = Traits::kDQChunksPerBlock / 2;
   static_assert(kPasses == 1 || (kPasses == 2 && Traits::kDQPass1InQ), "one staging buffer per pass");
   using ChunkShape = Shape<Int<Traits::kDQChunkRows>, Int<Traits::kDQChunkCols>>;
@@ -578,46 +588,51 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
   Tensor tDQsDQq = get<1>(
       tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sDQq), group_modes<0, 2>(gDQ)));
   bool const leader = cute::elect_one_sync();
-  int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                                   params.seqlen_q_rounded, info.batch_idx, bidh);
   constexpr bool deterministic = kDeterministic;
-  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-    int* sem = nullptr;
-    int turn = 0;
-    if (deterministic) { sem = dq_turn<Traits>(params, info, bidh, m_block, n_block, turn); }
-    int const stage = (m_block - m_block_min) % Traits::kStages;  // the consumers' Q stage of this tile
-    CUTLASS_PRAGMA_UNROLL
-    for (int pass = 0; pass < kPasses; ++pass) {
+  int const num_tiles = params.heads_per_cta * (m_block_max - m_block_min);
+  int tile_idx = 0;  // over the CTA's (head, m_block) tiles, the order the consumers take them in
+  for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {
+    int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+                                                                     params.seqlen_q_rounded, info.batch_idx, bidh);
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      int* sem = nullptr;
+      int turn = 0;
+      if (deterministic) { sem = dq_turn<Traits>(params, info, bidh, m_block, n_block, turn); }
+      int const stage = tile_idx % Traits::kStages;  // the consumers' Q stage of this tile
       CUTLASS_PRAGMA_UNROLL
-      for (int wg = 0; wg < 2; ++wg) {
-        cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads,
-                                          (pass == 0 ? Traits::kBarrierDQFull : Traits::kBarrierDQFull1) + wg);
-        if (leader) {
-          if (deterministic && pass == 0 && wg == 0) { semaphore_wait_for_bulk(sem, turn); }
-          auto const tile = Traits::dq_chunk_tile(row_base, m_block, 2 * pass + wg);
-          if (pass == 1) {
-            copy(params.tma_dq, tDQsDQq(_, wg + 2 * stage), tDQgDQ(_, get<0>(tile), get<1>(tile)));
-          } else {
-            copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, get<0>(tile), get<1>(tile)));
+      for (int pass = 0; pass < kPasses; ++pass) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int wg = 0; wg < 2; ++wg) {
+          cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads,
+                                            (pass == 0 ? Traits::kBarrierDQFull : Traits::kBarrierDQFull1) + wg);
+          if (leader) {
+            if (deterministic && pass == 0 && wg == 0) { semaphore_wait_for_bulk(sem, turn); }
+            auto const tile = Traits::dq_chunk_tile(row_base, m_block, 2 * pass + wg);
+            if (pass == 1) {
+              copy(params.tma_dq, tDQsDQq(_, wg + 2 * stage), tDQgDQ(_, get<0>(tile), get<1>(tile)));
+            } else {
+              copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, get<0>(tile), get<1>(tile)));
+            }
+            tma_store_arrive();
           }
-          tma_store_arrive();
         }
       }
-    }
-    if (leader) {
-      if (deterministic) {
-        bulk_reductions_complete();  // every chunk added (which also means read out of shared memory)
-        semaphore_release(sem);
-      } else {
-        tma_store_wait<0>();  // every chunk read out of shared memory
+      if (leader) {
+        if (deterministic) {
+          bulk_reductions_complete();  // every chunk added (which also means read out of shared memory)
+          semaphore_release(sem);
+        } else {
+          tma_store_wait<0>();  // every chunk read out of shared memory
+        }
       }
-    }
-    __syncwarp();
-    if (Traits::kDQPass1InQ || m_block + 1 < m_block_max) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int wg = 0; wg < 2; ++wg) {
-        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + wg);
+      __syncwarp();
+      if (Traits::kDQPass1InQ || tile_idx + 1 < num_tiles) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int wg = 0; wg < 2; ++wg) {
+          cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + wg);
+        }
       }
+      ++tile_idx;
     }
   }
   if (leader) { tma_store_wait<0>(); }
@@ -629,7 +644,7 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
 //   for the writer warp while dK runs.
 template <class Traits, bool kSoftcap, bool kDeterministic>
 CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
-                                         typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh,
+                                         typename Traits::Pipeline& pipeline, int mma_tidx, int n_block, int bidh0,
                                          SeqlenInfo const& info, int m_block_min, int m_block_max) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -687,90 +702,92 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
     ss.barrier_kv.wait(0);
     typename Traits::PipelineState read_state;
     int ds_buf = 0;
-    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-      int const stage = read_state.index();
-      float const* lse_log2 = ss.smem_lse.data() + stage * kBlockM;
-      float const* dpsum = ss.smem_dpsum.data() + stage * kBlockM;
+    for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {  // the CTA's query heads
+      for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+        int const stage = read_state.index();
+        float const* lse_log2 = ss.smem_lse.data() + stage * kBlockM;
+        float const* dpsum = ss.smem_dpsum.data() + stage * kBlockM;
 
-      Tensor tSrS = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      pipeline.consumer_wait(read_state);
-      wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
-      wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
-      // Padded rows have LSE_log2 = +inf: P = 0 there.
-      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));     // (keys, rows)
-      Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));  // (keys, rows)
-      if constexpr (!kSoftcap) {
-        warpgroup_wait<1>();  // Sᵀ is ready; dPᵀ may still be in flight
-        if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
-          float const lse = lse_log2[get<1>(tScS_rc(0, j))];
+        Tensor tSrS = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        pipeline.consumer_wait(read_state);
+        wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+        wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
+        // Padded rows have LSE_log2 = +inf: P = 0 there.
+        Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));     // (keys, rows)
+        Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));  // (keys, rows)
+        if constexpr (!kSoftcap) {
+          warpgroup_wait<1>();  // Sᵀ is ready; dPᵀ may still be in flight
+          if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
           CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(s); ++r) { s(r, j) = exp2f(fmaf(s(r, j), params.score_scale_log2, -lse)); }
+          for (int j = 0; j < size<1>(s); ++j) {
+            float const lse = lse_log2[get<1>(tScS_rc(0, j))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < size<0>(s); ++r) { s(r, j) = exp2f(fmaf(s(r, j), params.score_scale_log2, -lse)); }
+          }
+          warpgroup_wait<0>();
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(dp); ++j) {
+            float const d = dpsum[get<1>(tScS_rc(0, j))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < size<0>(dp); ++r) { dp(r, j) = s(r, j) * (dp(r, j) - d); }
+          }
+        } else {
+          // dS needs tanh' = 1 − t² beside P: wait for both GEMMs and derive P and dS in one pass, so t needs no
+          // registers of its own.
+          warpgroup_wait<0>();
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
+          if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(s); ++j) {
+            float const lse = lse_log2[get<1>(tScS_rc(0, j))];
+            float const d = dpsum[get<1>(tScS_rc(0, j))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < size<0>(s); ++r) { softcap_p_ds(s(r, j), dp(r, j), params.score_scale_log2, lse, d); }
+          }
         }
+        Tensor tdVrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));
+        Tensor tdKrdS = make_tensor<Element>(acc_to_a_operand(tdPrdP.layout()));
+        convert_type_into(tSrS, tdVrP);
+        convert_type_into(tdPrdP, tdKrdS);
+
+        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
+        // dS (both warpgroups' keys) for dQ; the buffer written here was last read by the dQ GEMM two iterations
+        // ago, which every warpgroup finished before the previous iteration's barrier.
+        Tensor tdSrdS = make_tensor(tdKrdS.data(), tdPrdP.layout());  // accumulator view of the same registers
+        copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_buf));
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
+        consumers_sync();
+
+        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buf), tdQrKt, tdQrdQ);
+        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
+        warpgroup_wait<1>();  // dV and dQ_tile done; dK still running
+        warpgroup_fence_operand(tdVrP);  // registers read by an in-flight WGMMA must stay untouched until now
+        // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk while dK runs, once
+        // the writer has finished reading the previous one.
+        if (bidh > bidh0 || m_block > m_block_min) {
+          cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tdQrdQ); i += 4) {
+          *reinterpret_cast<float4*>(sdq_chunk + (i * cutlass::NumThreadsPerWarpGroup + 4 * wg_tidx)) =
+              make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+        }
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
+        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + warpgroup);
         warpgroup_wait<0>();
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(dp); ++j) {
-          float const d = dpsum[get<1>(tScS_rc(0, j))];
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(dp); ++r) { dp(r, j) = s(r, j) * (dp(r, j) - d); }
-        }
-      } else {
-        // dS needs tanh' = 1 − t² beside P: wait for both GEMMs and derive P and dS in one pass, so t needs no
-        // registers of its own.
-        warpgroup_wait<0>();
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
-        if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
-          float const lse = lse_log2[get<1>(tScS_rc(0, j))];
-          float const d = dpsum[get<1>(tScS_rc(0, j))];
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(s); ++r) { softcap_p_ds(s(r, j), dp(r, j), params.score_scale_log2, lse, d); }
-        }
+        warpgroup_fence_operand(tdKrdS);
+        pipeline.consumer_release(read_state);
+        ++read_state;
+        ds_buf ^= 1;
       }
-      Tensor tdVrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));
-      Tensor tdKrdS = make_tensor<Element>(acc_to_a_operand(tdPrdP.layout()));
-      convert_type_into(tSrS, tdVrP);
-      convert_type_into(tdPrdP, tdKrdS);
-
-      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
-      // dS (both warpgroups' keys) for dQ; the buffer written here was last read by the dQ GEMM two iterations
-      // ago, which every warpgroup finished before the previous iteration's barrier.
-      Tensor tdSrdS = make_tensor(tdKrdS.data(), tdPrdP.layout());  // accumulator view of the same registers
-      copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_buf));
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
-      consumers_sync();
-
-      Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buf), tdQrKt, tdQrdQ);
-      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
-      warpgroup_wait<1>();  // dV and dQ_tile done; dK still running
-      warpgroup_fence_operand(tdVrP);  // registers read by an in-flight WGMMA must stay untouched until now
-      // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk while dK runs, once
-      // the writer has finished reading the previous one.
-      if (m_block > m_block_min) {
-        cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(tdQrdQ); i += 4) {
-        *reinterpret_cast<float4*>(sdq_chunk + (i * cutlass::NumThreadsPerWarpGroup + 4 * wg_tidx)) =
-            make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
-      }
-      cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
-      cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + warpgroup);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tdKrdS);
-      pipeline.consumer_release(read_state);
-      ++read_state;
-      ds_buf ^= 1;
     }
   }
 
-  if (!store_dkv_tma<Traits>(params, ss, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info)) {
-    store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+  if (!store_dkv_tma<Traits>(params, ss, tdVrdV, tdKrdK, mma_tidx, n_block, bidh0, info)) {
+    store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh0, info);
   }
 }
 
@@ -778,7 +795,7 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
 template <class Traits, bool kSoftcap, bool kDeterministic>
 CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::Pipeline& pipeline, typename Traits::PipelinedO& pipeline_do,
-                                 int mma_tidx, int n_block, int bidh,
+                                 int mma_tidx, int n_block, int bidh0,
                                  SeqlenInfo const& info, int m_block_min, int m_block_max) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -844,118 +861,119 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
   int interior_lo, interior_hi;
   window.interior_m_blocks(n_block, interior_lo, interior_hi);
 
-  int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                                   params.seqlen_q_rounded, info.batch_idx, bidh);
-  float const* lse_log2 = params.lse_log2_ptr + row_base;
-  float const* dpsum = params.dpsum_ptr + row_base;
-
   if (m_block_max > m_block_min) {
     ss.barrier_kv.wait(0);
     typename Traits::PipelineState read_state;
     typename Traits::PipelineState prev_read_state;  // kDQPass1InQ: the Q stage still held for the writer
     typename Traits::PipelinedOState read_state_do;
-    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-      int const stage = read_state.index(), stage_do = read_state_do.index();
-      // Per-row statistics of the two rows this thread holds (padded rows: LSE_log2 = +inf gives P = 0).
-      float lse_row[kRows], dpsum_row[kRows];
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        int const row = m_block * kBlockM + get<0>(tScS_rc(r, 0));
-        lse_row[r] = lse_log2[row];
-        dpsum_row[r] = dpsum[row];
-      }
-
-      Tensor tSrS = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipeline.consumer_wait(read_state);
-      wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
-      pipeline_do.consumer_wait(read_state_do);
-      wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
-      Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-      Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
-      if constexpr (!kSoftcap) {
-        warpgroup_wait<1>();  // S is ready; dP may still be in flight
-        if (m_block < interior_lo || m_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
+    for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {  // the CTA's query heads
+      int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+                                                                       params.seqlen_q_rounded, info.batch_idx, bidh);
+      float const* lse_log2 = params.lse_log2_ptr + row_base;
+      float const* dpsum = params.dpsum_ptr + row_base;
+      for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+        int const stage = read_state.index(), stage_do = read_state_do.index();
+        // Per-row statistics of the two rows this thread holds (padded rows: LSE_log2 = +inf gives P = 0).
+        float lse_row[kRows], dpsum_row[kRows];
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(s); ++j) {
-            s(r, j) = exp2f(fmaf(s(r, j), params.score_scale_log2, -lse_row[r]));
-          }
+          int const row = m_block * kBlockM + get<0>(tScS_rc(r, 0));
+          lse_row[r] = lse_log2[row];
+          dpsum_row[r] = dpsum[row];
         }
-        warpgroup_wait<0>();
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(dp); ++j) { dp(r, j) = s(r, j) * (dp(r, j) - dpsum_row[r]); }
-        }
-      } else {  // as in bwd_consumer_swapped
-        warpgroup_wait<0>();
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
-        if (m_block < interior_lo || m_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(s); ++j) {
-            softcap_p_ds(s(r, j), dp(r, j), params.score_scale_log2, lse_row[r], dpsum_row[r]);
-          }
-        }
-      }
-      Tensor tPrP = convert_type<Element>(tSrS);
-      Tensor tdSrdS = convert_type<Element>(tdPrdP);
 
-      // The previous iteration's GEMMs (all warpgroups) have finished reading sP and sdS.
-      consumers_sync();
-      copy(smem_copy_pds, thr_copy_pds.retile_S(tPrP), tPsP);
-      copy(smem_copy_pds, thr_copy_pds.retile_S(tdSrdS), tdSsdS);
-      // Generic-proxy stores must be visible to the WGMMA (async proxy) of every consumer warpgroup.
-      cutlass::arch::fence_view_async_shared();
-      consumers_sync();
-
-      static_assert(Traits::kDQPass1InQ, "dQ passes staged in smem_dq and the Q stage");
-      // Once the writer has read the previous tile's dQ chunks, its Q stage goes back to the producer (and smem_dq
-      // may take this tile's first pass).
-      if (m_block > m_block_min) {
-        cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
-        pipeline.consumer_release(prev_read_state);
-      }
-      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
-      wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
-      CUTLASS_PRAGMA_UNROLL
-      for (int pass = 0; pass < Traits::kDQPasses; ++pass) {
-        // Columns [pass * kDQCols, (pass + 1) * kDQCols) of dQ_tile = dS K.
-        Tensor tdQrKt = thr_mma_dq.partition_fragment_B(
-            local_tile(sKt, Shape<Int<kDQCols>, Int<kBlockN>>{}, make_coord(pass, _0{})));  // (MMA, MMA_N, MMA_K)
-        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQCols>>{});
-        wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, tdQrdQ);
-        if (pass == 0) {
-          warpgroup_wait<2>();  // dV is done: dO's stage can take the next tile
-          pipeline_do.consumer_release(read_state_do);
-          ++read_state_do;
-        }
-        warpgroup_wait<0>();
-        bool const in_q_stage = pass == 1;
-        // Pass 0 done: this warpgroup's dK is too, so its half of the Q stage may take the second pass (the traits).
-        if (pass == 0) {
-          prev_read_state = read_state;  // released next tile, or after the loop
-          ++read_state;
-        }
-        // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk of the pass.
-        Tensor dq = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
-        float* const q_stage = in_q_stage ? ss_q_floats + prev_read_state.index() * kQStageFloats : nullptr;
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < size<0>(dq); ++r) {
+        Tensor tSrS = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipeline.consumer_wait(read_state);
+        wgmma</*zero_init=*/true>(tiled_mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
+        pipeline_do.consumer_wait(read_state_do);
+        wgmma</*zero_init=*/true>(tiled_mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
+        Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+        Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));
+        if constexpr (!kSoftcap) {
+          warpgroup_wait<1>();  // S is ready; dP may still be in flight
+          if (m_block < interior_lo || m_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
           CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(dq); j += 2) {  // a column pair is 8 contiguous bytes under the swizzle
-            float* dst = in_q_stage ? q_stage + (&tdQsdQq_rc(r, j) - ss_q_floats) : &tdQsdQ_rc(r, j);
-            *reinterpret_cast<float2*>(dst) = make_float2(dq(r, j), dq(r, j + 1));
+          for (int r = 0; r < kRows; ++r) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < size<1>(s); ++j) {
+              s(r, j) = exp2f(fmaf(s(r, j), params.score_scale_log2, -lse_row[r]));
+            }
+          }
+          warpgroup_wait<0>();
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < size<1>(dp); ++j) { dp(r, j) = s(r, j) * (dp(r, j) - dpsum_row[r]); }
+          }
+        } else {  // as in bwd_consumer_swapped
+          warpgroup_wait<0>();
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
+          if (m_block < interior_lo || m_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < size<1>(s); ++j) {
+              softcap_p_ds(s(r, j), dp(r, j), params.score_scale_log2, lse_row[r], dpsum_row[r]);
+            }
           }
         }
-        // To the writer's TMA reduce-add, on the pass's own barrier (one arrival per barrier per tile).
-        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
-        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads,
-                                            (pass == 0 ? Traits::kBarrierDQFull : Traits::kBarrierDQFull1) + warpgroup);
+        Tensor tPrP = convert_type<Element>(tSrS);
+        Tensor tdSrdS = convert_type<Element>(tdPrdP);
+
+        // The previous iteration's GEMMs (all warpgroups) have finished reading sP and sdS.
+        consumers_sync();
+        copy(smem_copy_pds, thr_copy_pds.retile_S(tPrP), tPsP);
+        copy(smem_copy_pds, thr_copy_pds.retile_S(tdSrdS), tdSsdS);
+        // Generic-proxy stores must be visible to the WGMMA (async proxy) of every consumer warpgroup.
+        cutlass::arch::fence_view_async_shared();
+        consumers_sync();
+
+        static_assert(Traits::kDQPass1InQ, "dQ passes staged in smem_dq and the Q stage");
+        // Once the writer has read the previous tile's dQ chunks, its Q stage goes back to the producer (and smem_dq
+        // may take this tile's first pass).
+        if (bidh > bidh0 || m_block > m_block_min) {
+          cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
+          pipeline.consumer_release(prev_read_state);
+        }
+        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
+        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
+        CUTLASS_PRAGMA_UNROLL
+        for (int pass = 0; pass < Traits::kDQPasses; ++pass) {
+          // Columns [pass * kDQCols, (pass + 1) * kDQCols) of dQ_tile = dS K.
+          Tensor tdQrKt = thr_mma_dq.partition_fragment_B(
+              local_tile(sKt, Shape<Int<kDQCols>, Int<kBlockN>>{}, make_coord(pass, _0{})));  // (MMA, MMA_N, MMA_K)
+          Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQCols>>{});
+          wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+          if (pass == 0) {
+            warpgroup_wait<2>();  // dV is done: dO's stage can take the next tile
+            pipeline_do.consumer_release(read_state_do);
+            ++read_state_do;
+          }
+          warpgroup_wait<0>();
+          bool const in_q_stage = pass == 1;
+          // Pass 0 done: this warpgroup's dK is too, so its half of the Q stage may take the second pass (the traits).
+          if (pass == 0) {
+            prev_read_state = read_state;  // released next tile, or after the loop
+            ++read_state;
+          }
+          // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk of the pass.
+          Tensor dq = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
+          float* const q_stage = in_q_stage ? ss_q_floats + prev_read_state.index() * kQStageFloats : nullptr;
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(dq); ++r) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < size<1>(dq); j += 2) {  // a column pair is 8 contiguous bytes under the swizzle
+              float* dst = in_q_stage ? q_stage + (&tdQsdQq_rc(r, j) - ss_q_floats) : &tdQsdQ_rc(r, j);
+              *reinterpret_cast<float2*>(dst) = make_float2(dq(r, j), dq(r, j + 1));
+            }
+          }
+          // To the writer's TMA reduce-add, on the pass's own barrier (one arrival per barrier per tile).
+          cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
+          cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads,
+                                              (pass == 0 ? Traits::kBarrierDQFull : Traits::kBarrierDQFull1) + warpgroup);
+        }
       }
     }
     // The last tile's Q stage (the producer's tail waits for it).
@@ -963,8 +981,8 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
     pipeline.consumer_release(prev_read_state);
   }
 
-  if (!store_dkv_tma<Traits>(params, ss, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info)) {
-    store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh, info);
+  if (!store_dkv_tma<Traits>(params, ss, tdVrdV, tdKrdK, mma_tidx, n_block, bidh0, info)) {
+    store_dkv<Traits, kDeterministic>(params, tdVrdV, tdKrdK, mma_tidx, n_block, bidh0, info);
   }
 }
 
@@ -993,7 +1011,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   // Causal: the first key blocks are seen by the most query blocks; start them first. Deterministic mode: the last
   // first (see dq_turn).
   int const n_block = kDeterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  int const bidh = blockIdx.y;
+  int const bidh = blockIdx.y * params.heads_per_cta;  // the CTA's first query head
   SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k, blockIdx.z);
   // Varlen: the grid covers the longest sequence's key blocks; a block past this sequence's keys has nothing to do.
   if (n_block * Traits::kBlockN >= info.seqlen_k) { return; }

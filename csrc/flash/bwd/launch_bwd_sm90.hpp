@@ -30,11 +30,14 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   for (int d : {p.head_dim, p.head_dim_v}) {
     if (d <= 0 || d > kHeadDim || d % 8 != 0) { return cudaErrorInvalidValue; }
   }
+  if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0) { return cudaErrorInvalidValue; }
   bool const gqa = p.nheads_k != p.nheads;
-  // Deterministic mode needs the dQ counters, and with GQA the dK/dV ones too.
-  bool const half_deterministic = (p.dq_semaphore != nullptr) && gqa && (p.dkv_semaphore == nullptr);
-  if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0 || gqa != (p.dk_accum_ptr != nullptr) ||
-      gqa != (p.dv_accum_ptr != nullptr) || half_deterministic ||
+  // GQA sums dK/dV in fp32 across CTAs unless one CTA runs the whole group (heads_per_cta).
+  bool const sums = gqa && p.heads_per_cta == 1;
+  // Deterministic mode needs the dQ counters, and with the sums the dK/dV ones too.
+  bool const half_deterministic = (p.dq_semaphore != nullptr) && sums && (p.dkv_semaphore == nullptr);
+  if ((p.heads_per_cta != 1 && p.heads_per_cta != p.nheads / p.nheads_k) || sums != (p.dk_accum_ptr != nullptr) ||
+      sums != (p.dv_accum_ptr != nullptr) || half_deterministic ||
       (p.dq_semaphore == nullptr && p.dkv_semaphore != nullptr)) {
     return cudaErrorInvalidValue;
   }
@@ -89,11 +92,11 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   };
   int const batch_views = varlen ? 1 : p.batch;
   bool const dkv_tma =
-      !gqa &&
-      tma_aligned(p.dk_ptr, p.dk_row_stride, rows_k, p.dk_head_stride, p.nheads, p.dk_batch_stride, batch_views) &&
-      tma_aligned(p.dv_ptr, p.dv_row_stride, rows_k, p.dv_head_stride, p.nheads, p.dv_batch_stride, batch_views);
+      !sums &&
+      tma_aligned(p.dk_ptr, p.dk_row_stride, rows_k, p.dk_head_stride, p.nheads_k, p.dk_batch_stride, batch_views) &&
+      tma_aligned(p.dv_ptr, p.dv_row_stride, rows_k, p.dv_head_stride, p.nheads_k, p.dv_batch_stride, batch_views);
   auto out_gmem = [&](void* ptr, auto const& fallback, int head_dim, int64_t row, int64_t head, int64_t batch) {
-    auto view = dkv_tma ? gmem(ptr, rows_k, head_dim, p.nheads, row, head, batch) : fallback;
+    auto view = dkv_tma ? gmem(ptr, rows_k, head_dim, p.nheads_k, row, head, batch) : fallback;
     return make_tensor(make_gmem_ptr(const_cast<Element*>(view.data().get())), view.layout());
   };
   auto mdK = out_gmem(p.dk_ptr, mK, p.head_dim, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride);
@@ -143,11 +146,12 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       window_right,
       p.doc_bounds,
       dkv_tma,
+      p.heads_per_cta,
   };
   // Softcap and deterministic mode are template arguments: either one's code in the loop (softcap's registers; the
   // memory fences of deterministic mode, which turn every fire-and-forget dQ reduction into a waited-for atomic)
   // would slow the plain kernel down.
-  dim3 grid(cute::ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
+  dim3 grid(cute::ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads / p.heads_per_cta, p.batch);
   auto launch = [&](auto softcap_c, auto deterministic_c) {
     constexpr bool kSoftcap = decltype(softcap_c)::value, kDeterministic = decltype(deterministic_c)::value;
     auto kernel = flash_bwd_sm90_kernel<Traits, kSoftcap, kDeterministic>;
