@@ -427,10 +427,15 @@ def test_gqa_fwd_bwd_match_reference(dtype, head_dim, causal, seqlen_q, seqlen_k
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_gqa_group_per_cta_large_grid(head_dim, causal):
+def test_gqa_group_per_cta_large_grid(head_dim, causal, monkeypatch):
     """8 x 1100 tokens, 12 query heads on 4 K/V heads: 9 key blocks (head_dim 256: 18) x 4 x 8 CTAs fill a 132-SM GPU
     twice, so the launcher runs each group's three query heads in one CTA (flash/config.hpp bwd_heads_per_cta): dQ, dK,
-    dV by the rule (tests/test_bwd_gqa_group_gpu.py forces each mode on the other GQA tests)."""
+    dV by the rule, and dK, dV bitwise those of that mode forced (FAH_BWD_GQA_GROUP_CTA=1; it sums no atomics, and
+    the fp32 sums of the other mode round differently). tests/test_bwd_gqa_group_gpu.py forces each mode on the other
+    GQA tests; this one unsets the variable to test the launcher's own pick."""
+    if torch.cuda.get_device_properties(0).multi_processor_count > 144:
+        pytest.skip("the shape fills a GPU of at most 144 SMs twice over; this one has more")
+    monkeypatch.delenv("FAH_BWD_GQA_GROUP_CTA", raising=False)
     dtype = _built_dtype(head_dim)
     batch, seqlen, nheads, nheads_k = 8, 1100, 12, 4
     q = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
@@ -438,6 +443,10 @@ def test_gqa_group_per_cta_large_grid(head_dim, causal):
     dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
     _, grads = _backward(q, k, v, dout, causal=causal)
     _check_grads(grads, q, k, v, dout, causal=causal, name="gqa group per CTA")
+    monkeypatch.setenv("FAH_BWD_GQA_GROUP_CTA", "1")
+    _, forced = _backward(q, k, v, dout, causal=causal)
+    for gname, g, f in zip(GRAD_NAMES[1:], grads[1:], forced[1:]):
+        assert torch.equal(g, f), f"{gname}: the launcher did not run one CTA per K/V head group at this shape"
 
 
 @pytest.mark.parametrize("layout", ["packed_kv", "transposed"])
