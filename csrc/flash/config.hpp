@@ -145,7 +145,7 @@ struct BwdTileConfig {
 // in registers across them and storing them once (no fp32 sums of the group's heads, their zero fill and conversion
 // kernels), when the grid so formed still fills the GPU twice over; else one CTA per (key block, query head), summing
 // in fp32. H200, 2026-12-01 (session 16 run 1, NOTES.md), bf16 head_dim 128, 16 heads on 4, 16k tokens, TFLOP/s sums /
-// group: seqlen 1024 400-401 / 476-481, causal 278-279 / 321-322; 4096 533 / 558-563, causal 465 / 454-458.
+// group: seqlen 1024 400-401 / 476-481, causal 278-279 / 321-322; 4096 533 / 558-562, causal 465 / 454-458.
 // Returns the query heads per CTA (1 or the group size). FAH_BWD_GQA_GROUP_CTA=1 or 0 forces either
 // (tests/test_bwd_gqa_group_gpu.py runs the GQA tests under both).
 inline int bwd_heads_per_cta(int head_dim, int seqlen_k, int batch, int nheads, int nheads_k, int num_sms) {

@@ -62,10 +62,10 @@ struct BwdParams {
   void const* do_ptr;
   float const* lse_ptr;  // (batch, nheads, seqlen_q) contiguous, natural log, from the forward
   void* dq_ptr;          // (batch, seqlen_q, nheads, head_dim), written
-  void* dk_ptr;          // (batch, seqlen_k, nheads_k, head_dim), written (MHA only)
-  void* dv_ptr;          // (batch, seqlen_k, nheads_k, head_dim_v), written (MHA only)
-  // GQA/MQA (nheads_k < nheads): the query heads of a group add their dK (already scaled) and dV into these
-  // zeroed fp32 contiguous buffers shaped like k and v instead; the host converts them.
+  void* dk_ptr;          // (batch, seqlen_k, nheads_k, head_dim), written by the kernel unless dk_accum_ptr is set
+  void* dv_ptr;          // (batch, seqlen_k, nheads_k, head_dim_v), likewise
+  // GQA/MQA (nheads_k < nheads) with heads_per_cta == 1: the query heads of a group add their dK (already scaled) and
+  // dV into these zeroed fp32 contiguous buffers shaped like k and v instead; the host converts them. Else null.
   float* dk_accum_ptr;
   float* dv_accum_ptr;
   // Query heads per backward CTA: 1, or (GQA, dk_accum_ptr null) the whole group, which then writes dk/dv (nheads_k
@@ -108,8 +108,8 @@ struct BwdParams {
   float softcap;
   int window_left, window_right;
   int const* doc_bounds;  // as FwdParams
-  // Deterministic mode (else null): zeroed int32 counters, one per 64 rows of the dQ workspace for dQ and, with GQA,
-  // one per (batch, K/V head, 64-key block) for dK/dV, ordering the cross-CTA sums.
+  // Deterministic mode (else null): zeroed int32 counters, one per 64 rows of the dQ workspace for dQ and, with the
+  // GQA fp32 sums (dk_accum_ptr), one per (batch, K/V head, 64-key block) for dK/dV, ordering the cross-CTA sums.
   int* dq_semaphore;
   int* dkv_semaphore;
 };

@@ -126,15 +126,15 @@ struct BwdTraitsBase {
     float* dq_accum_ptr;  // (rows, kHeadDim): the workspace keeps the padded width
     float const* lse_log2_ptr;
     float const* dpsum_ptr;
-    float* dk_accum_ptr;  // GQA/MQA: fp32 (batch, seqlen_k, nheads_k, head_dim) or (total_k, ...) sums, rows of the
-                          // caller's head_dim; else null
+    float* dk_accum_ptr;  // GQA/MQA with heads_per_cta 1: fp32 (batch, seqlen_k, nheads_k, head_dim) or (total_k, ...)
+                          // sums, rows of the caller's head_dim; else null
     float* dv_accum_ptr;  // as dk_accum_ptr with head_dim_v
     int nheads, nheads_k, seqlen_q, seqlen_k;  // varlen: upper bounds of the lengths
     int seqlen_q_rounded;                      // workspace rows per (batch, head), or per head when varlen
     int const* cu_seqlens_q;                   // varlen: (batch + 1) row offsets; else null
     int const* cu_seqlens_k;
     // Deterministic mode (else null): zeroed counters ordering the sums into each dQ tile, per (batch, head, m_block),
-    // and (GQA) into each dK/dV tile, per (batch, K/V head, n_block) (flash/common/semaphore.hpp).
+    // and (GQA sums) into each dK/dV tile, per (batch, K/V head, n_block) (flash/common/semaphore.hpp).
     int* dq_semaphore;
     int* dkv_semaphore;
     float softmax_scale;  // α: scales dK here and dQ in the postprocess
@@ -451,8 +451,8 @@ CUTLASS_DEVICE void for_each_row_pair(TensorAcc const& acc, TensorCoord const& c
 }
 
 // Epilogue of both consumers: dV and α·dK for the keys of this block that exist (zeros when no query sees them),
-// written directly (MHA) or added into the group's fp32 sums (GQA/MQA); only the caller's head_dim (dK) and
-// head_dim_v (dV) columns.
+// written directly (MHA, or a CTA that ran a whole GQA group) or added into the group's fp32 sums (dk_accum_ptr);
+// only the caller's head_dim (dK) and head_dim_v (dV) columns.
 template <class Traits, bool kDeterministic, class TensorAcc>
 CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc const& tdVrdV,
                               TensorAcc const& tdKrdK, int mma_tidx, int n_block, int bidh, SeqlenInfo const& info) {
@@ -718,7 +718,9 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
         Tensor dp = make_tensor(tdPrdP.data(), acc_rowcol(tdPrdP.layout()));  // (keys, rows)
         if constexpr (!kSoftcap) {
           warpgroup_wait<1>();  // Sᵀ is ready; dPᵀ may still be in flight
-          if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
+          if (m_block < interior_lo || m_block >= interior_hi) {
+            window.apply_transposed(tSrS, tScS, m_block, n_block);
+          }
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size<1>(s); ++j) {
             float const lse = lse_log2[get<1>(tScS_rc(0, j))];
@@ -738,7 +740,9 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
           warpgroup_wait<0>();
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
-          if (m_block < interior_lo || m_block >= interior_hi) { window.apply_transposed(tSrS, tScS, m_block, n_block); }
+          if (m_block < interior_lo || m_block >= interior_hi) {
+            window.apply_transposed(tSrS, tScS, m_block, n_block);
+          }
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size<1>(s); ++j) {
             float const lse = lse_log2[get<1>(tScS_rc(0, j))];
@@ -971,8 +975,8 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
           }
           // To the writer's TMA reduce-add, on the pass's own barrier (one arrival per barrier per tile).
           cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
-          cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads,
-                                              (pass == 0 ? Traits::kBarrierDQFull : Traits::kBarrierDQFull1) + warpgroup);
+          int const full_barrier = (pass == 0 ? Traits::kBarrierDQFull : Traits::kBarrierDQFull1) + warpgroup;
+          cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, full_barrier);
         }
       }
     }

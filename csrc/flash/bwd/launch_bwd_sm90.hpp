@@ -83,7 +83,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
                                             make_stride(Int<Traits::kDQAccumCols>{}, _1{})));
 
   // dK/dV by TMA store (store_dkv_tma) where the views allow it: 16-byte aligned base and strides (modes of extent 1
-  // aside). GQA adds fp32 sums instead; descriptors are then made over K and V and never used.
+  // aside). The GQA fp32 sums (heads_per_cta 1) take none; descriptors are then made over K and V and never used.
   auto tma_aligned = [](void const* ptr, int64_t row, int rows, int64_t head, int nheads, int64_t batch, int nb) {
     auto ok = [](int64_t stride, int extent) {
       return extent <= 1 || (stride > 0 && (stride * int64_t(sizeof(Element))) % 16 == 0);
