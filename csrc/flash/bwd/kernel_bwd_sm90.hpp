@@ -461,8 +461,9 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
   Tensor tdKVcdKV =
       tiled_mma_dkv.get_thread_slice(mma_tidx).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   int const key_offset = n_block * kBlockN;
+  int const group = params.nheads / params.nheads_k;
+  int const bidh_kv = bidh / group;  // MHA: bidh; a CTA that ran a whole GQA group: bidh is the group's first head
   if (params.dk_accum_ptr != nullptr) {
-    int const bidh_kv = bidh / (params.nheads / params.nheads_k);
     // Rows (b, key) of nheads_k * head_dim{,_v} floats: the host's contiguous k- and v-shaped sums.
     int64_t const row = (int64_t(info.bidb) * params.seqlen_k + info.offset_k) * params.nheads_k + bidh_kv;
     // float2 atomics: the query heads of a group add into the same rows; in deterministic mode in head order.
@@ -470,7 +471,7 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
     if constexpr (kDeterministic) {
       int const num_n_blocks = cute::ceil_div(params.seqlen_k, kBlockN);
       sem = params.dkv_semaphore + (int64_t(info.batch_idx) * params.nheads_k + bidh_kv) * num_n_blocks + n_block;
-      if (mma_tidx == 0) { semaphore_wait(sem, bidh - bidh_kv * (params.nheads / params.nheads_k)); }
+      if (mma_tidx == 0) { semaphore_wait(sem, bidh - bidh_kv * group); }
       cutlass::arch::NamedBarrier::sync(Traits::NumMmaThreads, 1);
     }
     auto add = [](float* base, float scale) {
@@ -489,7 +490,6 @@ CUTLASS_DEVICE void store_dkv(typename Traits::Params const& params, TensorAcc c
     }
   } else {
     // dK/dV of nheads_k heads: MHA, or a CTA that ran a whole GQA group (heads_per_cta).
-    int const bidh_kv = bidh / (params.nheads / params.nheads_k);
     using Element = typename Traits::Element;
     auto store = [](Element* base, float scale) {
       return [=](int64_t idx, float x0, float x1) {
