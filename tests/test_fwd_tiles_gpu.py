@@ -5,9 +5,9 @@ in tests/test_tile_choice_cpu.py):
 
 - the forced height is the one that runs (the kernel's name in a profile) even where the launcher would pick the
   other;
-- the forward, varlen and feature test files (tests/test_fwd_gpu.py, tests/test_varlen_gpu.py,
-  tests/test_features_gpu.py) pass under it, all but their cases parametrized with another head_dim
-  (FAH_TEST_HEAD_DIM=64, tests/conftest.py): the tests with a fixed head_dim stay, whichever it is.
+- the forward, varlen, feature and boundary test files (tests/test_fwd_gpu.py, tests/test_varlen_gpu.py,
+  tests/test_features_gpu.py, tests/test_fwd_boundary_gpu.py) pass under it, all but their cases parametrized with
+  another head_dim (FAH_TEST_HEAD_DIM=64, tests/conftest.py): the tests with a fixed head_dim stay, whichever it is.
 
 Skipped, with the reason, without an sm90 GPU and the built extension (see conftest.py)."""
 
@@ -23,7 +23,12 @@ from gpu_helpers import built_dtype as _built_dtype
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ["tests/test_fwd_gpu.py", "tests/test_varlen_gpu.py", "tests/test_features_gpu.py"]
+FILES = [
+    "tests/test_fwd_gpu.py",
+    "tests/test_varlen_gpu.py",
+    "tests/test_features_gpu.py",
+    "tests/test_fwd_boundary_gpu.py",
+]
 # The children import the package this process tests (installed, or the built source tree) ahead of anything else.
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
 PRELUDE = f"import sys; sys.path.insert(0, {PACKAGE_ROOT!r})\n"

@@ -106,18 +106,30 @@ struct OnlineSoftmax {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { row_max[r] = 1.f; }
   }
+  // The row sums are not taken here but by add_row_sums over P as P V sees it (rounded to bf16).
   template <class TensorS>
   CUTLASS_DEVICE void step_fixed_max(TensorS& tSrS) {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -scale_log2));
-        sum += s(r, j);
-      }
-      row_sum[r] += sum;
+      for (int j = 0; j < size<1>(s); ++j) { s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -scale_log2)); }
+    }
+  }
+  // Adds the rounded P (the A operand of P V, in S's register order, accumulator layout `acc`) into the row sums, so
+  // that a row's weights in O sum to 1: with the sum of the unrounded P they summed to bf16(p) / p, and a row that
+  // sees one key got v * bf16(p) / p, one bf16 ulp off the exact v (the online maximum gives that key P = 1, exact).
+  template <class TensorP, class AccLayout>
+  CUTLASS_DEVICE void add_row_sums(TensorP const& tOrP, AccLayout const& acc) {
+    Tensor p = make_tensor(tOrP.data(), acc_rowcol(acc));
+    constexpr int kCols = decltype(size<1>(p))::value;
+    static_assert(kCols % 4 == 0);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: these adds run after the P V wait, on the critical path
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) { sum[j % 4] += float(p(r, j)); }
+      row_sum[r] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
     }
   }
 

@@ -387,6 +387,12 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     }
   };
 
+  // P for P V; the fixed-maximum softcap then sums the rounded P (OnlineSoftmax::add_row_sums).
+  auto convert_p = [&](auto const& tSrS, auto& tOrP) {
+    convert_type_into(tSrS, tOrP);
+    if constexpr (kFixedMax) { softmax.add_row_sums(tOrP, tSrS.layout()); }
+  };
+
   // Ping-pong between the consumer warpgroups (FlashAttention-3 paper §3.1; a round robin with three): a warpgroup
   // issues its GEMMs only in its turn and hands the turn to the next right after, so one warpgroup's softmax runs
   // under the others' GEMMs. Named barrier (user id) 2 + w is warpgroup w's turn (its 128 threads wait, the previous
@@ -424,7 +430,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     prepare_scores(tSrS, n_block);
     cute::array<float, kRows> rescale;
     softmax_step(tSrS, rescale);  // O is still zero: nothing to rescale
-    convert_type_into(tSrS, tOrP);
+    convert_p(tSrS, tOrP);
 
     for (--n_block; n_block >= n_block_min; --n_block) {
       Tensor tSrS = S();
@@ -443,7 +449,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         ++k_state;
         prepare_scores(tSrS, n_block);
         if (softmax_step(tSrS, rescale)) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
-        convert_type_into(tSrS, tOrP);
+        convert_p(tSrS, tOrP);
         continue;
       }
       stage_wait(ss.pipeline_k, k_state);
@@ -503,7 +509,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       stage_release(ss.pipeline_v, v_state);
       ++v_state;
       if (rescale_o) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
-      convert_type_into(tSrS, tOrP);
+      convert_p(tSrS, tOrP);
     }
 
     // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.

@@ -1,0 +1,72 @@
+"""The forward on boundary tiles, on an sm90 GPU: mask edges on and off the 64-row grid of a consumer warpgroup and
+the 64-key halves of a key block (causal diagonals, window edges, keys past seqlen_k, a warpgroup whose rows all lie
+past seqlen_q or see nothing in a block of its tile's range), and rows that see exactly one key, with and without a
+softcap. One key per row is where a kernel's rounding shows alone: the output must then be that key's V row exactly
+(the naive reference's P is 1), which caught the bf16 fixed-maximum softcap normalising by the sum of the unrounded
+P (OnlineSoftmax::add_row_sums, session 17). bf16 with softcap 30 takes the fixed maximum, fp16 the online one.
+Output and LSE are checked against the float32 reference by the rule of DESIGN.md §3, from NaN-poisoned memory; rows
+that see no key must be exactly 0 with LSE -inf; inputs are left unmodified. Skipped, with the reason, without an
+sm90 GPU and the built extension (see conftest.py)."""
+
+import pytest
+import torch
+
+from flash_attn_hopper import attention
+from flash_attn_hopper.testing import assert_close_by_rule, attention_ref
+from gpu_helpers import poison_allocator, randn, require_built
+
+pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
+
+# (seqlen_q, seqlen_k, causal, window_size): what each exercises with 128 x 128 tiles of two 64-row warpgroups.
+CASES = [
+    (1024, 1024, True, (-1, -1)),  # warpgroup 0 sees only the first half of every diagonal block
+    (1088, 1088, False, (-1, -1)),  # the last block's second half lies past seqlen_k
+    (1088, 1088, True, (-1, -1)),
+    (100, 1090, True, (-1, -1)),  # bottom-right offset 990, off the 64-key grid
+    (513, 700, False, (0, 0)),  # one key per row; a warpgroup sees no key of a whole block of its tile's range
+    (300, 1, False, (-1, -1)),  # one key per row: every row sees the single key
+    (700, 513, False, (17, 3)),
+    (1024, 1024, False, (63, 0)),  # window edges on and next to a 64-key boundary
+    (1024, 1024, False, (64, 0)),
+    (1024, 1024, False, (65, 0)),
+    (1024, 1024, False, (0, 63)),
+    (1024, 1024, False, (0, 64)),
+    (1024, 1024, False, (127, 129)),
+    (2500, 2500, True, (1024, 0)),  # the benchmark's causal window: both edges of every tile row
+    (2500, 2300, False, (1024, 1024)),
+    (33, 40, True, (-1, -1)),  # warpgroup 1's rows all lie past seqlen_q
+    (200, 64, False, (-1, 10)),  # rows past the last key see the whole block or nothing
+]
+CASE_IDS = [f"{sq}x{sk}-{'causal' if c else 'full'}-w{w[0]}_{w[1]}" for sq, sk, c, w in CASES]
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["nocap", "cap30"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_boundary_tiles(dtype, head_dim, case, softcap):
+    require_built(head_dim, dtype)
+    seqlen_q, seqlen_k, causal, window = case
+    batch, nheads = 2, 3
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = randn(batch, seqlen_k, nheads, head_dim, dtype=dtype)
+    v = randn(batch, seqlen_k, nheads, head_dim, dtype=dtype)
+    if softcap:  # scores well into the tanh's bend
+        q, k = q * 2, k * 2
+    before = [t.clone() for t in (q, k, v)]
+    e = q.element_size()
+    poison_allocator(q.numel() * e, batch * nheads * seqlen_q * 4)
+    opts = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = attention(q, k, v, return_lse=True, **opts)
+    ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
+    naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
+    name = f"{dtype} head_dim {head_dim} {case} softcap {softcap}"
+    assert_close_by_rule(out, ref, naive, f"{name} out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
+    empty = torch.isneginf(ref_lse)  # (batch, nheads, seqlen_q)
+    assert torch.equal(torch.isneginf(lse), empty), f"{name}: LSE -inf on other rows than the reference's"
+    if empty.any():
+        rows = out.permute(0, 2, 1, 3)[empty]
+        assert torch.equal(rows, torch.zeros_like(rows)), f"{name}: rows that see no key are not exactly 0"
+    for t, b in zip((q, k, v), before):
+        assert torch.equal(t, b), f"{name}: an input was modified"
