@@ -30,13 +30,15 @@ inline ScoreScales score_scales(float softmax_scale, float softcap) {
   return {scale, float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
 }
 
-// Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds.
+// Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds (the fixed-maximum
+// softcap also the sum of P as P V uses it: add_row_sums).
 // scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
 // one FFMA per element.
 template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
+  float row_sum_p[kRows];  // fixed maximum only: the sum of P rounded to bf16
   float const scale_log2;
 
   CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
@@ -44,6 +46,7 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       row_max[r] = -INFINITY;
       row_sum[r] = 0.f;
+      row_sum_p[r] = 0.f;
     }
   }
 
@@ -101,27 +104,35 @@ struct OnlineSoftmax {
   // Softcap with a fixed maximum: the scores the softmax sees, c * x with x = tanh(..) in [-1, 1], never exceed the
   // cap, so exp(c * (x - 1)) in (exp(-2c), 1] needs no running maximum: no max reduction and no rescaling of O.
   // Valid while exp(-2c) stays far from float32's (and bf16's) smallest normal (kSoftcapFixedMaxLimit); an fp16 P
-  // would underflow (its smallest normal is 6e-5), so only bf16 takes it. Call fix_max() once before the first step.
+  // would underflow (its smallest normal is 6e-5), so only bf16 takes it. Call fix_max() once before the first step,
+  // add_row_sums after each conversion of P, and finalize<true>.
   CUTLASS_DEVICE void fix_max() {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { row_max[r] = 1.f; }
   }
-  // The row sums are not taken here but by add_row_sums over P as P V sees it (rounded to bf16).
   template <class TensorS>
   CUTLASS_DEVICE void step_fixed_max(TensorS& tSrS) {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
+      float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) { s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -scale_log2)); }
+      for (int j = 0; j < size<1>(s); ++j) {
+        s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -scale_log2));
+        sum += s(r, j);
+      }
+      row_sum[r] += sum;
     }
   }
-  // Adds the rounded P (the A operand of P V, in S's register order, accumulator layout `acc`) into the row sums, so
-  // that a row's weights in O sum to 1: with the sum of the unrounded P they summed to bf16(p) / p, and a row that
-  // sees one key got v * bf16(p) / p, one bf16 ulp off the exact v (the online maximum gives that key P = 1, exact).
+  // Adds P rounded to bf16 (the A operand of P V, in S's register order; `acc`: S's accumulator layout) into
+  // row_sum_p, which normalises O (finalize<true>), so that a row's weights in O sum to 1: normalised by the sum of
+  // the unrounded P they summed to bf16(p) / p, and a row that sees one key got v * bf16(p) / p, one bf16 ulp off v
+  // (the online maximum gives that key P = 1, exact). The LSE keeps the unrounded sum, from which the backward
+  // recomputes P: a one-key row's P is then p / p = 1 there too, and its dV the exact dO.
   template <class TensorP, class AccLayout>
   CUTLASS_DEVICE void add_row_sums(TensorP const& tOrP, AccLayout const& acc) {
     Tensor p = make_tensor(tOrP.data(), acc_rowcol(acc));
+    static_assert(decltype(size<0>(p))::value == kRows);
     constexpr int kCols = decltype(size<1>(p))::value;
     static_assert(kCols % 4 == 0);
     CUTLASS_PRAGMA_UNROLL
@@ -129,7 +140,7 @@ struct OnlineSoftmax {
       float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: these adds run after the P V wait, on the critical path
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) { sum[j % 4] += float(p(r, j)); }
-      row_sum[r] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      row_sum_p[r] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
     }
   }
 
@@ -145,14 +156,18 @@ struct OnlineSoftmax {
   }
 
   // Completes the row sums across the quad; returns 1/l per row (0 for a row that saw no key) and writes the
-  // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row).
+  // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row). kRoundedSums (the fixed maximum): O's 1/l from
+  // row_sum_p instead (add_row_sums); both sums are 0 exactly when the row saw no key (P >= exp(-2c) is a normal
+  // bf16 number).
+  template <bool kRoundedSums = false>
   CUTLASS_DEVICE cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse) {
     cute::array<float, kRows> inv_sum;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float const l = quad_sum(row_sum[r]);
+      float const l_o = kRoundedSums ? quad_sum(row_sum_p[r]) : l;
       bool const empty = l == 0.f;  // a NaN sum (NaN input) stays NaN in O and LSE rather than reading as "no key"
-      inv_sum[r] = empty ? 0.f : 1.f / l;
+      inv_sum[r] = empty ? 0.f : 1.f / l_o;
       lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(l);
     }
     return inv_sum;

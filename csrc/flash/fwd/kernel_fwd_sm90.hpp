@@ -387,7 +387,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     }
   };
 
-  // P for P V; the fixed-maximum softcap then sums the rounded P (OnlineSoftmax::add_row_sums).
+  // P for P V; the fixed-maximum softcap then also sums the rounded P, for O (OnlineSoftmax::add_row_sums).
   auto convert_p = [&](auto const& tSrS, auto& tOrP) {
     convert_type_into(tSrS, tOrP);
     if constexpr (kFixedMax) { softmax.add_row_sums(tOrP, tSrS.layout()); }
@@ -527,7 +527,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // Epilogue: O / l and LSE (rows past seqlen_q and columns past head_dim_v are not written).
   cute::array<float, kRows> lse;
-  auto inv_sum = softmax.finalize(params.score_scale, lse);
+  auto inv_sum = softmax.template finalize<kFixedMax>(params.score_scale, lse);
   OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
   Tensor tOrO_out = convert_type<Element>(tOrO);
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
