@@ -697,6 +697,74 @@ def feature_kwargs(spec):
     return {}, {}, None, True
 
 
+def window_equal_work_seqlen(causal):
+    """seqlen of the dense non-causal point whose rows attend as many keys as a window point's rows: window (W, W)
+    rows see 2W + 1 keys (dense at 2W), window (W, 0) rows W + 1 (dense at W). The issue's "dense kernel at the same
+    useful FLOPs" for a window: same tokens, same keys per row, so the same pairs to compute."""
+    return WINDOW if causal else 2 * WINDOW
+
+
+def feature_ratios(results):
+    """Ours at each measured feature point against dense points of the same record: {"key": point_key,
+    "direction": d, "ours": TFLOP/s, "vs_dense": ours / dense at the same head_dim, mask and seqlen, "vs_equal_work":
+    for windows, ours / dense non-causal at window_equal_work_seqlen (else None)}. A missing dense point gives None."""
+    rows = measured(results)
+    dense = {(r["head_dim"], bool(r["causal"]), r["seqlen"]): r for r in rows if r.get("feature", "dense") == "dense"}
+
+    def ours(rec, d):
+        return (rec.get(d) or {}).get("tflops", {}).get("ours") if rec else None
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    out = []
+    for r in rows:
+        feature = r.get("feature", "dense")
+        if feature == "dense":
+            continue
+        for d in DIRECTIONS:
+            t = ours(r, d)
+            if t is None:
+                continue
+            same = dense.get((r["head_dim"], bool(r["causal"]), r["seqlen"]))
+            equal = None
+            if feature == "window":
+                equal = ratio(t, ours(dense.get((r["head_dim"], False, window_equal_work_seqlen(r["causal"]))), d))
+            out.append({"key": point_key(r), "direction": d, "ours": t, "vs_dense": ratio(t, ours(same, d)),
+                        "vs_equal_work": equal})
+    return out
+
+
+def format_feature_ratios(results):
+    """Markdown lines of feature_ratios (empty without feature points)."""
+    ratios = feature_ratios(results)
+    if not ratios:
+        return []
+    by_point = {}
+    for x in ratios:
+        by_point.setdefault(x["key"], {})[x["direction"]] = x
+    dirs = [d for d in DIRECTIONS if any(d in v for v in by_point.values())]
+    header = ["feature", "head_dim", "causal", "seqlen"]
+    for d in dirs:
+        header += [f"{d} ours", f"{d} / dense", f"{d} / dense, equal work"]
+    lines = ["Features against dense points of this run: at the same head_dim, mask and seqlen, and for windows also "
+             f"against dense non-causal at the same keys per row (seqlen {2 * WINDOW} for window ({WINDOW}, "
+             f"{WINDOW}), {WINDOW} for ({WINDOW}, 0) causal).", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, per_dir in by_point.items():
+        feature, _, hd, causal, seqlen = key
+        cells = [feature, str(hd), "yes" if causal else "no", str(seqlen)]
+        for d in dirs:
+            x = per_dir.get(d)
+            if x is None:
+                cells += ["n/a"] * 3
+                continue
+            cells += [f"{x['ours']:.0f}", _fmt(x["vs_dense"], ".2f"),
+                      _fmt(x["vs_equal_work"], ".2f") if feature == "window" else "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _ours_call(fah, q, k, v, causal, ours_kw):
     """fah.attention, or for the varlen point fah.attention_varlen on the same tokens packed as equal-length
     sequences (cu_seqlens built once per shape and reused, as a training step reuses them across layers)."""
@@ -1304,8 +1372,8 @@ def _title(doc):
 
 
 def format_summary(doc, comparison=None):
-    """Markdown for the README: metadata, a TFLOP/s table (ours with its p20-p80 half-spread), skipped features and
-    the comparison verdict."""
+    """Markdown for the README: metadata, a TFLOP/s table (ours with its p20-p80 half-spread), the features against
+    dense (format_feature_ratios), skipped features and the comparison verdict."""
     m = doc.get("meta", {})
     clk = []
     for when in ("before", "after"):
@@ -1346,6 +1414,9 @@ def format_summary(doc, comparison=None):
             cells += [ours, _fmt(t.get("cudnn"), ".0f"), _fmt(t.get("fa2"), ".0f"),
                       _fmt(part.get("ratio", {}).get("ours/cudnn"), ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
+    feature_lines = format_feature_ratios(doc["results"])
+    if feature_lines:
+        lines += [""] + feature_lines
     notes = skipped_notes(doc["results"])
     if notes:
         lines += [""] + [f"- {n}" for n in notes]

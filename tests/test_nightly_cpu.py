@@ -443,6 +443,44 @@ def test_summary_markdown(tmp_path):
     assert rc == 0 and path.read_text().startswith("# Attention benchmark: NVIDIA H200")
 
 
+def test_feature_ratios_against_dense():
+    """Each feature point over the dense point of the same head_dim, mask and seqlen; a window point also over dense
+    non-causal at the same keys per row (2W for (W, W), W for (W, 0) causal), from the same record."""
+    w = nb.WINDOW
+    ours = {(False, 2 * w): 600.0, (False, w): 580.0, (False, 16384): 640.0, (True, 16384): 620.0, (True, 2 * w): 500.0}
+    results = []
+    for (causal, s), t in ours.items():
+        rec = {"feature": "dense", "head_dim": 128, "causal": causal, "seqlen": s, "dtype": "bf16"}
+        for d in nb.DIRECTIONS:
+            rec[d] = _part(1e12, {"ours": t if d == "fwd" else t / 2, "cudnn": 500.0, "fa2": 300.0})
+        results.append(rec)
+    for causal, t in ((False, 540.0), (True, 522.0)):
+        rec = {"feature": "window", "head_dim": 128, "causal": causal, "seqlen": 16384, "dtype": "bf16"}
+        rec["fwd"] = _part(1e12, {"ours": t, "cudnn": None, "fa2": None})
+        results.append(rec)
+    results.append({"feature": "softcap", "head_dim": 128, "causal": False, "seqlen": 16384, "dtype": "bf16",
+                    "fwd": _part(1e12, {"ours": 576.0, "cudnn": None, "fa2": None})})
+    results.append({"feature": "softcap", "head_dim": 128, "causal": False, "seqlen": 512, "dtype": "bf16",
+                    "fwd": _part(1e12, {"ours": 400.0, "cudnn": None, "fa2": None})})  # no dense point at 512
+    results.append({"feature": "window", "head_dim": 64, "causal": False, "seqlen": 4096, "dtype": "bf16",
+                    "skipped": "not in this build"})
+    got = {(x["key"][0], x["key"][3], x["key"][4], x["direction"]): x for x in nb.feature_ratios(results)}
+    assert set(got) == {("window", False, 16384, "fwd"), ("window", True, 16384, "fwd"),
+                        ("softcap", False, 16384, "fwd"), ("softcap", False, 512, "fwd")}
+    assert got[("window", False, 16384, "fwd")]["vs_dense"] == pytest.approx(540 / 640)
+    assert got[("window", False, 16384, "fwd")]["vs_equal_work"] == pytest.approx(540 / 600)  # dense at 2W
+    assert got[("window", True, 16384, "fwd")]["vs_dense"] == pytest.approx(522 / 620)
+    assert got[("window", True, 16384, "fwd")]["vs_equal_work"] == pytest.approx(522 / 580)  # dense non-causal at W
+    assert got[("softcap", False, 16384, "fwd")]["vs_dense"] == pytest.approx(576 / 640)
+    assert got[("softcap", False, 16384, "fwd")]["vs_equal_work"] is None
+    assert got[("softcap", False, 512, "fwd")]["vs_dense"] is None
+    text = nb.format_summary({"meta": {}, "results": results})
+    assert "| window | 128 | yes | 16384 | 522 | 0.84 | 0.90 |" in text
+    assert "| softcap | 128 | no | 16384 | 576 | 0.90 | — |" in text
+    assert "| softcap | 128 | no | 512 | 400 | n/a | — |" in text
+    assert "window skipped (1 points): not in this build" in text
+
+
 # ------------------------------------------------------------------------------------------------------- plots
 
 
