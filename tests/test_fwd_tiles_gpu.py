@@ -71,7 +71,7 @@ def test_forced_block_m_passes_the_forward_tests(block_m):
     _built_dtype(64)
     args = ["-q", "-x", "-p", "no:cacheprovider", *FILES]
     code = PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=140,
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env=_env(block_m))
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
