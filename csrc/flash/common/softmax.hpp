@@ -126,9 +126,10 @@ struct OnlineSoftmax {
   }
   // Adds P rounded to bf16 (the A operand of P V, in S's register order; `acc`: S's accumulator layout) into
   // row_sum_p, which normalises O (finalize<true>), so that a row's weights in O sum to 1: normalised by the sum of
-  // the unrounded P they summed to bf16(p) / p, and a row that sees one key got v * bf16(p) / p, one bf16 ulp off v
-  // (the online maximum gives that key P = 1, exact). The LSE keeps the unrounded sum, from which the backward
-  // recomputes P: a one-key row's P is then p / p = 1 there too, and its dV the exact dO.
+  // the unrounded P they summed to bf16(p) / p, and a row that sees one key got v * bf16(p) / p, up to one bf16 ulp
+  // off v (the online maximum gives that key a P within 1e-6 of 1, which rounds to exactly 1). The LSE keeps the
+  // unrounded sum, from which the backward recomputes P: a one-key row's P is then within ~1e-5 of 1 there too, so
+  // it rounds to 1 and the key's dV is the exact dO.
   template <class TensorP, class AccLayout>
   CUTLASS_DEVICE void add_row_sums(TensorP const& tOrP, AccLayout const& acc) {
     Tensor p = make_tensor(tOrP.data(), acc_rowcol(acc));
@@ -137,7 +138,7 @@ struct OnlineSoftmax {
     static_assert(kCols % 4 == 0);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: these adds run after the P V wait, on the critical path
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four dependency chains instead of one
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) { sum[j % 4] += float(p(r, j)); }
       row_sum_p[r] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
