@@ -697,17 +697,21 @@ def feature_kwargs(spec):
     return {}, {}, None, True
 
 
-def window_equal_work_seqlen(causal):
-    """seqlen of the dense non-causal point whose rows attend as many keys as a window point's rows: window (W, W)
-    rows see 2W + 1 keys (dense at 2W), window (W, 0) rows W + 1 (dense at W). The issue's "dense kernel at the same
-    useful FLOPs" for a window: same tokens, same keys per row, so the same pairs to compute."""
-    return WINDOW if causal else 2 * WINDOW
+EQUAL_WORK_TOLERANCE = 0.05  # how far a dense point's keys per row may sit from a window point's average
+
+
+def window_keys_per_row(seqlen, causal):
+    """Average keys a query row sees at a window point (window (W, W), or (W, 0) causal) of seqlen_q = seqlen_k."""
+    return window_pairs(seqlen, WINDOW, 0 if causal else WINDOW) / seqlen
 
 
 def feature_ratios(results):
     """Ours at each measured feature point against dense points of the same record: {"key": point_key,
-    "direction": d, "ours": TFLOP/s, "vs_dense": ours / dense at the same head_dim, mask and seqlen, "vs_equal_work":
-    for windows, ours / dense non-causal at window_equal_work_seqlen (else None)}. A missing dense point gives None."""
+    "direction": d, "ours": TFLOP/s, "vs_dense": ours / dense at the same head_dim, mask and seqlen, "vs_equal_work",
+    "equal_work_seqlen": for windows, ours / dense non-causal (same head_dim) at the seqlen nearest the window's
+    average keys per row, when that is within EQUAL_WORK_TOLERANCE of it (same tokens, same keys per row: the same
+    pairs to compute, the issue's "dense kernel at the same useful FLOPs"); else None}. A missing dense point gives
+    None."""
     rows = measured(results)
     dense = {(r["head_dim"], bool(r["causal"]), r["seqlen"]): r for r in rows if r.get("feature", "dense") == "dense"}
 
@@ -722,16 +726,22 @@ def feature_ratios(results):
         feature = r.get("feature", "dense")
         if feature == "dense":
             continue
+        equal_seqlen = None
+        if feature == "window":
+            keys = window_keys_per_row(r["seqlen"], bool(r["causal"]))
+            near = [s for (hd, c, s) in dense if hd == r["head_dim"] and not c
+                    and abs(s - keys) <= EQUAL_WORK_TOLERANCE * keys]
+            equal_seqlen = min(near, key=lambda s: abs(s - keys)) if near else None
         for d in DIRECTIONS:
             t = ours(r, d)
             if t is None:
                 continue
             same = dense.get((r["head_dim"], bool(r["causal"]), r["seqlen"]))
             equal = None
-            if feature == "window":
-                equal = ratio(t, ours(dense.get((r["head_dim"], False, window_equal_work_seqlen(r["causal"]))), d))
+            if equal_seqlen is not None:
+                equal = ratio(t, ours(dense.get((r["head_dim"], False, equal_seqlen)), d))
             out.append({"key": point_key(r), "direction": d, "ours": t, "vs_dense": ratio(t, ours(same, d)),
-                        "vs_equal_work": equal})
+                        "vs_equal_work": equal, "equal_work_seqlen": equal_seqlen})
     return out
 
 
@@ -746,21 +756,24 @@ def format_feature_ratios(results):
     dirs = [d for d in DIRECTIONS if any(d in v for v in by_point.values())]
     header = ["feature", "head_dim", "causal", "seqlen"]
     for d in dirs:
-        header += [f"{d} ours", f"{d} / dense", f"{d} / dense, equal work"]
-    lines = ["Features against dense points of this run: at the same head_dim, mask and seqlen, and for windows also "
-             f"against dense non-causal at the same keys per row (seqlen {2 * WINDOW} for window ({WINDOW}, "
-             f"{WINDOW}), {WINDOW} for ({WINDOW}, 0) causal).", "",
+        header += [f"{d} ours", f"{d} / dense"]
+    header += ["equal-work dense seqlen"] + [f"{d} / equal-work dense" for d in dirs]
+    lines = ["Features against dense points of this run: at the same head_dim, mask and seqlen; windows also against "
+             "dense non-causal at the same keys per row (the measured seqlen nearest a window row's average keys, "
+             f"within {EQUAL_WORK_TOLERANCE:.0%}; n/a where none is).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, per_dir in by_point.items():
         feature, _, hd, causal, seqlen = key
         cells = [feature, str(hd), "yes" if causal else "no", str(seqlen)]
         for d in dirs:
             x = per_dir.get(d)
-            if x is None:
-                cells += ["n/a"] * 3
-                continue
-            cells += [f"{x['ours']:.0f}", _fmt(x["vs_dense"], ".2f"),
-                      _fmt(x["vs_equal_work"], ".2f") if feature == "window" else "—"]
+            cells += ["n/a", "n/a"] if x is None else [f"{x['ours']:.0f}", _fmt(x["vs_dense"], ".2f")]
+        any_x = next(iter(per_dir.values()))
+        if feature != "window":
+            cells += ["—"] + ["—"] * len(dirs)
+        else:
+            cells += [_fmt(any_x["equal_work_seqlen"], "d")]
+            cells += [_fmt(per_dir[d]["vs_equal_work"], ".2f") if d in per_dir else "n/a" for d in dirs]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -259,7 +259,7 @@ def attention(
 
     Raises:
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
-            softmax_scale or softcap is not a real number; causal or deterministic is not a bool; window_size is not a
+            softmax_scale or softcap is not a real number; causal, return_lse or deterministic is not a bool; window_size is not a
             pair of ints; document_ids is not an integer tensor.
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
@@ -281,6 +281,8 @@ def attention(
 
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
+    if not isinstance(return_lse, bool):  # outside the checked-call cache, whose key does not hold it
+        return_lse = _check_bool("return_lse", return_lse)
     compiling = torch.compiler.is_compiling()
     key = None if compiling else _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                                                  document_ids)
@@ -534,6 +536,8 @@ def attention_varlen(
     tokens of one sequence must be finite for its neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
+    if not isinstance(return_lse, bool):
+        return_lse = _check_bool("return_lse", return_lse)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
             raise ValueError(

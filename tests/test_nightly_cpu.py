@@ -445,17 +445,21 @@ def test_summary_markdown(tmp_path):
 
 def test_feature_ratios_against_dense():
     """Each feature point over the dense point of the same head_dim, mask and seqlen; a window point also over dense
-    non-causal at the same keys per row (2W for (W, W), W for (W, 0) causal), from the same record."""
+    non-causal at the measured seqlen nearest its rows' average keys (within 5 %; n/a otherwise), same record."""
     w = nb.WINDOW
-    ours = {(False, 2 * w): 600.0, (False, w): 580.0, (False, 16384): 640.0, (True, 16384): 620.0, (True, 2 * w): 500.0}
+    assert nb.window_keys_per_row(16384, False) == pytest.approx(1984.9, abs=0.1)  # near 2W = 2048
+    assert nb.window_keys_per_row(16384, True) == pytest.approx(993.0, abs=0.1)  # near W = 1024
+    assert nb.window_keys_per_row(w, False) == w  # a window as wide as the sequence is dense
+    ours = {(False, 2 * w): 600.0, (False, w): 580.0, (False, 16384): 640.0, (True, 16384): 620.0, (True, 2 * w): 500.0,
+            (False, 4096): 630.0}
     results = []
     for (causal, s), t in ours.items():
         rec = {"feature": "dense", "head_dim": 128, "causal": causal, "seqlen": s, "dtype": "bf16"}
         for d in nb.DIRECTIONS:
             rec[d] = _part(1e12, {"ours": t if d == "fwd" else t / 2, "cudnn": 500.0, "fa2": 300.0})
         results.append(rec)
-    for causal, t in ((False, 540.0), (True, 522.0)):
-        rec = {"feature": "window", "head_dim": 128, "causal": causal, "seqlen": 16384, "dtype": "bf16"}
+    for causal, s, t in ((False, 16384, 540.0), (True, 16384, 522.0), (False, 4096, 550.0)):
+        rec = {"feature": "window", "head_dim": 128, "causal": causal, "seqlen": s, "dtype": "bf16"}
         rec["fwd"] = _part(1e12, {"ours": t, "cudnn": None, "fa2": None})
         results.append(rec)
     results.append({"feature": "softcap", "head_dim": 128, "causal": False, "seqlen": 16384, "dtype": "bf16",
@@ -466,18 +470,24 @@ def test_feature_ratios_against_dense():
                     "skipped": "not in this build"})
     got = {(x["key"][0], x["key"][3], x["key"][4], x["direction"]): x for x in nb.feature_ratios(results)}
     assert set(got) == {("window", False, 16384, "fwd"), ("window", True, 16384, "fwd"),
-                        ("softcap", False, 16384, "fwd"), ("softcap", False, 512, "fwd")}
-    assert got[("window", False, 16384, "fwd")]["vs_dense"] == pytest.approx(540 / 640)
-    assert got[("window", False, 16384, "fwd")]["vs_equal_work"] == pytest.approx(540 / 600)  # dense at 2W
-    assert got[("window", True, 16384, "fwd")]["vs_dense"] == pytest.approx(522 / 620)
-    assert got[("window", True, 16384, "fwd")]["vs_equal_work"] == pytest.approx(522 / 580)  # dense non-causal at W
+                        ("window", False, 4096, "fwd"), ("softcap", False, 16384, "fwd"),
+                        ("softcap", False, 512, "fwd")}
+    x = got[("window", False, 16384, "fwd")]
+    assert x["vs_dense"] == pytest.approx(540 / 640)
+    assert x["equal_work_seqlen"] == 2 * w and x["vs_equal_work"] == pytest.approx(540 / 600)
+    x = got[("window", True, 16384, "fwd")]
+    assert x["vs_dense"] == pytest.approx(522 / 620)
+    assert x["equal_work_seqlen"] == w and x["vs_equal_work"] == pytest.approx(522 / 580)  # non-causal at W
+    x = got[("window", False, 4096, "fwd")]  # 1793 keys per row: no dense seqlen within 5 %
+    assert x["vs_dense"] == pytest.approx(550 / 630) and x["equal_work_seqlen"] is None and x["vs_equal_work"] is None
     assert got[("softcap", False, 16384, "fwd")]["vs_dense"] == pytest.approx(576 / 640)
     assert got[("softcap", False, 16384, "fwd")]["vs_equal_work"] is None
     assert got[("softcap", False, 512, "fwd")]["vs_dense"] is None
     text = nb.format_summary({"meta": {}, "results": results})
-    assert "| window | 128 | yes | 16384 | 522 | 0.84 | 0.90 |" in text
-    assert "| softcap | 128 | no | 16384 | 576 | 0.90 | — |" in text
-    assert "| softcap | 128 | no | 512 | 400 | n/a | — |" in text
+    assert "| window | 128 | yes | 16384 | 522 | 0.84 | 1024 | 0.90 |" in text
+    assert "| window | 128 | no | 4096 | 550 | 0.87 | n/a | n/a |" in text
+    assert "| softcap | 128 | no | 16384 | 576 | 0.90 | — | — |" in text
+    assert "| softcap | 128 | no | 512 | 400 | n/a | — | — |" in text
     assert "window skipped (1 points): not in this build" in text
 
 
