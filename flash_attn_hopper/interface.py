@@ -259,8 +259,8 @@ def attention(
 
     Raises:
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
-            softmax_scale or softcap is not a real number; causal, return_lse or deterministic is not a bool; window_size is not a
-            pair of ints; document_ids is not an integer tensor.
+            softmax_scale or softcap is not a real number; causal, return_lse or deterministic is not a bool;
+            window_size is not a pair of ints; document_ids is not an integer tensor.
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is

@@ -650,21 +650,13 @@ def test_varlen_cu_seqlens_inference_mode_not_cached():
 
 
 @pytest.mark.parametrize("bad", [1, None, "yes"], ids=["int", "None", "str"])
-def test_return_lse_not_bool(bad):
-    with pytest.raises(TypeError, match=r"^return_lse must be a bool"):
-        attention(*_qkv(), return_lse=bad)
+@pytest.mark.parametrize("flag", ["deterministic", "return_lse"])
+def test_flag_not_bool(flag, bad):
+    with pytest.raises(TypeError, match=rf"^{flag} must be a bool"):
+        attention(*_qkv(), **{flag: bad})
     q, k, v, cu_q, cu_k = _varlen_args()
-    with pytest.raises(TypeError, match=r"^return_lse must be a bool"):
-        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20, return_lse=bad)
-
-
-@pytest.mark.parametrize("bad", [1, None, "yes"], ids=["int", "None", "str"])
-def test_deterministic_not_bool(bad):
-    with pytest.raises(TypeError, match=r"^deterministic must be a bool"):
-        attention(*_qkv(), deterministic=bad)
-    q, k, v, cu_q, cu_k = _varlen_args()
-    with pytest.raises(TypeError, match=r"^deterministic must be a bool"):
-        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20, deterministic=bad)
+    with pytest.raises(TypeError, match=rf"^{flag} must be a bool"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20, **{flag: bad})
 
 
 @pytest.mark.skipif(not _ops.EXTENSION_LOADED, reason="the compiled extension is not built here (CI builds it)")
