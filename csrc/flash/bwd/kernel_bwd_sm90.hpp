@@ -368,7 +368,7 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
   auto write_state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   auto write_state_do = cutlass::make_producer_start_state<typename Traits::PipelinedO>();
   // The CTA's query heads (params.heads_per_cta: 1, or a whole GQA group sharing this K/V tile), one after another.
-  for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {  // the CTA's query heads
+  for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {
     // This sequence's rows (varlen: from its row offset; rows past it are loaded but never used).
     auto rows_q = [&](auto const& tma, auto const& shape) {
       return domain_offset(make_coord(info.offset_q, _0{}), tma.get_tma_tensor(shape)(_, _, bidh, info.bidb));
