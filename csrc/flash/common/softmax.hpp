@@ -30,15 +30,15 @@ inline ScoreScales score_scales(float softmax_scale, float softcap) {
   return {scale, float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
 }
 
-// Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds (the fixed-maximum
-// softcap also the sum of P as P V uses it: add_row_sums).
+// Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds. The fixed-maximum
+// softcap also keeps row_rounding: how much rounding P to bf16 for P V changed l on boundary key blocks (add_rounding).
 // scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
 // one FFMA per element.
 template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
-  float row_sum_p[kRows];  // fixed maximum only: the sum of P rounded to bf16
+  float row_rounding[kRows];  // fixed maximum only: the sum of bf16(P) - P over boundary key blocks
   float const scale_log2;
 
   CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
@@ -46,7 +46,7 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       row_max[r] = -INFINITY;
       row_sum[r] = 0.f;
-      row_sum_p[r] = 0.f;
+      row_rounding[r] = 0.f;
     }
   }
 
@@ -102,10 +102,10 @@ struct OnlineSoftmax {
   }
 
   // Softcap with a fixed maximum: the scores the softmax sees, c * x with x = tanh(..) in [-1, 1], never exceed the
-  // cap, so exp(c * (x - 1)) in (exp(-2c), 1] needs no running maximum: no max reduction and no rescaling of O.
+  // cap, so exp(c * (x - 1)) in [exp(-2c), 1] needs no running maximum: no max reduction and no rescaling of O.
   // Valid while exp(-2c) stays far from float32's (and bf16's) smallest normal (kSoftcapFixedMaxLimit); an fp16 P
   // would underflow (its smallest normal is 6e-5), so only bf16 takes it. Call fix_max() once before the first step,
-  // add_row_sums after each conversion of P, and finalize<true>.
+  // add_rounding after the conversion of P on key blocks that the mask crosses, and finalize<true>.
   CUTLASS_DEVICE void fix_max() {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { row_max[r] = 1.f; }
@@ -124,15 +124,20 @@ struct OnlineSoftmax {
       row_sum[r] += sum;
     }
   }
-  // Adds P rounded to bf16 (the A operand of P V, in S's register order; `acc`: S's accumulator layout) into
-  // row_sum_p, which normalises O (finalize<true>), so that a row's weights in O sum to 1: normalised by the sum of
-  // the unrounded P they summed to bf16(p) / p, and a row that sees one key got v * bf16(p) / p, up to one bf16 ulp
-  // off v (the online maximum gives that key a P within 1e-6 of 1, which rounds to exactly 1). The LSE keeps the
-  // unrounded sum, from which the backward recomputes P: a one-key row's P is then within ~1e-5 of 1 there too, so
-  // it rounds to 1 and the key's dV is the exact dO.
-  template <class TensorP, class AccLayout>
-  CUTLASS_DEVICE void add_row_sums(TensorP const& tOrP, AccLayout const& acc) {
-    Tensor p = make_tensor(tOrP.data(), acc_rowcol(acc));
+  // The fixed maximum leaves a key's P anywhere in [exp(-2c), 1], so rounding P to bf16 for P V changes it, and O
+  // normalised by the unrounded sum gets weights that sum to sum(bf16(p)) / sum(p): a row that sees one key came out
+  // as v * bf16(p) / p, up to one bf16 ulp off v (an online maximum gives that key a P within 1e-6 of 1, which rounds
+  // to exactly 1). Adds sum(bf16(p) - p) of this block to row_rounding (tSrS: P in float32; tOrP: P as P V reads it,
+  // in S's register order), and O is normalised by l + row_rounding (finalize<true>). Called on boundary key blocks
+  // only: a row that sees fewer keys than a block holds has them all there, so its O is normalised by the sum of the
+  // P it used, up to float32 summation (one key: p + (bf16(p) - p) = bf16(p) exactly, each step exact); on interior
+  // blocks, where every row sees every key, a long row's rounding errors average out as in the online softmax. The
+  // LSE keeps the unrounded sum, from which the backward recomputes P: a one-key row's P is within ~1e-5 of 1 there,
+  // rounds to 1, and the key's dV is the exact dO.
+  template <class TensorS, class TensorP>
+  CUTLASS_DEVICE void add_rounding(TensorS const& tSrS, TensorP const& tOrP) {
+    Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+    Tensor p = make_tensor(tOrP.data(), acc_rowcol(tSrS.layout()));
     static_assert(decltype(size<0>(p))::value == kRows);
     constexpr int kCols = decltype(size<1>(p))::value;
     static_assert(kCols % 4 == 0);
@@ -140,8 +145,8 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four dependency chains instead of one
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kCols; ++j) { sum[j % 4] += float(p(r, j)); }
-      row_sum_p[r] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      for (int j = 0; j < kCols; ++j) { sum[j % 4] += float(p(r, j)) - s(r, j); }
+      row_rounding[r] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
     }
   }
 
@@ -157,16 +162,16 @@ struct OnlineSoftmax {
   }
 
   // Completes the row sums across the quad; returns 1/l per row (0 for a row that saw no key) and writes the
-  // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row). kRoundedSums (the fixed maximum): O's 1/l from
-  // row_sum_p instead (add_row_sums); both sums are 0 exactly when the row saw no key (P >= exp(-2c) is a normal
+  // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row). kRounding (the fixed maximum): O's 1/l from
+  // l + row_rounding instead (add_rounding); both are 0 exactly when the row saw no key (P >= exp(-2c) is a normal
   // bf16 number).
-  template <bool kRoundedSums = false>
+  template <bool kRounding = false>
   CUTLASS_DEVICE cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse) {
     cute::array<float, kRows> inv_sum;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float const l = quad_sum(row_sum[r]);
-      float const l_o = kRoundedSums ? quad_sum(row_sum_p[r]) : l;
+      float const l_o = kRounding ? l + quad_sum(row_rounding[r]) : l;
       bool const empty = l == 0.f;  // a NaN sum (NaN input) stays NaN in O and LSE rather than reading as "no key"
       inv_sum[r] = empty ? 0.f : 1.f / l_o;
       lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(l);

@@ -365,6 +365,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   auto const window = make_window<kBlockM, kBlockN, Traits::kDocuments>(params, info);
   int interior_lo, interior_hi;
   window.interior_n_blocks(m_block, interior_lo, interior_hi);
+  auto boundary = [&](int n_block) { return n_block < interior_lo || n_block >= interior_hi; };  // the mask crosses it
   // Raw S -> the scores the softmax sees: softcap (before the mask, so masked scores stay -inf), then the mask on
   // tiles that cross a boundary.
   auto prepare_scores = [&](auto& tSrS, int n_block) {
@@ -372,7 +373,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
     }
-    if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
+    if (boundary(n_block)) { window.apply(tSrS, tScS, m_block, n_block); }
   };
   clear(tOrO);
   if constexpr (kFixedMax) { softmax.fix_max(); }
@@ -387,10 +388,13 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     }
   };
 
-  // P for P V; the fixed-maximum softcap then also sums the rounded P, for O (OnlineSoftmax::add_row_sums).
-  auto convert_p = [&](auto const& tSrS, auto& tOrP) {
+  // P for P V; the fixed-maximum softcap then also keeps, on boundary blocks, what the rounding changed of the row
+  // sums (OnlineSoftmax::add_rounding).
+  auto convert_p = [&](auto const& tSrS, auto& tOrP, int n_block) {
     convert_type_into(tSrS, tOrP);
-    if constexpr (kFixedMax) { softmax.add_row_sums(tOrP, tSrS.layout()); }
+    if constexpr (kFixedMax) {
+      if (boundary(n_block)) { softmax.add_rounding(tSrS, tOrP); }
+    }
   };
 
   // Ping-pong between the consumer warpgroups (FlashAttention-3 paper §3.1; a round robin with three): a warpgroup
@@ -430,7 +434,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     prepare_scores(tSrS, n_block);
     cute::array<float, kRows> rescale;
     softmax_step(tSrS, rescale);  // O is still zero: nothing to rescale
-    convert_p(tSrS, tOrP);
+    convert_p(tSrS, tOrP, n_block);
 
     for (--n_block; n_block >= n_block_min; --n_block) {
       Tensor tSrS = S();
@@ -449,7 +453,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         ++k_state;
         prepare_scores(tSrS, n_block);
         if (softmax_step(tSrS, rescale)) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
-        convert_p(tSrS, tOrP);
+        convert_p(tSrS, tOrP, n_block);
         continue;
       }
       stage_wait(ss.pipeline_k, k_state);
@@ -494,7 +498,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         ++k_state;
         CUTLASS_PRAGMA_UNROLL
         for (int i = kHalf; i < 2 * kHalf; ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
-        if (n_block < interior_lo || n_block >= interior_hi) { window.apply(tSrS, tScS, m_block, n_block); }
+        if (boundary(n_block)) { window.apply(tSrS, tScS, m_block, n_block); }
       } else {
         wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
         wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
@@ -509,7 +513,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       stage_release(ss.pipeline_v, v_state);
       ++v_state;
       if (rescale_o) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
-      convert_p(tSrS, tOrP);
+      convert_p(tSrS, tOrP, n_block);
     }
 
     // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
