@@ -281,8 +281,7 @@ def attention(
 
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
-    if not isinstance(return_lse, bool):  # outside the checked-call cache, whose key does not hold it
-        return_lse = _check_bool("return_lse", return_lse)
+    return_lse = _check_bool("return_lse", return_lse)  # outside the checked-call cache, whose key does not hold it
     compiling = torch.compiler.is_compiling()
     key = None if compiling else _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                                                  document_ids)
@@ -536,8 +535,7 @@ def attention_varlen(
     tokens of one sequence must be finite for its neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
-    if not isinstance(return_lse, bool):
-        return_lse = _check_bool("return_lse", return_lse)
+    return_lse = _check_bool("return_lse", return_lse)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 3:
             raise ValueError(
