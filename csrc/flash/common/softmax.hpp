@@ -30,15 +30,15 @@ inline ScoreScales score_scales(float softmax_scale, float softcap) {
   return {scale, float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
 }
 
-// Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds. The fixed-maximum
-// softcap also keeps row_rounding: how much rounding P to bf16 for P V changed l on boundary key blocks (add_rounding).
+// Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds. With the fixed
+// maximum of the softcap the caller also keeps a rounding sum per row: how much rounding P to bf16 for P V changed l
+// on boundary key blocks (add_rounding).
 // scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
 // one FFMA per element.
 template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
-  float row_rounding[kRows];  // fixed maximum only: the sum of bf16(P) - P over boundary key blocks
   float const scale_log2;
 
   CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
@@ -46,7 +46,6 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       row_max[r] = -INFINITY;
       row_sum[r] = 0.f;
-      row_rounding[r] = 0.f;
     }
   }
 
@@ -127,15 +126,18 @@ struct OnlineSoftmax {
   // The fixed maximum leaves a key's P anywhere in [exp(-2c), 1], so rounding P to bf16 for P V changes it, and O
   // normalised by the unrounded sum gets weights that sum to sum(bf16(p)) / sum(p): a row that sees one key came out
   // as v * bf16(p) / p, up to one bf16 ulp off v (an online maximum gives that key a P within 1e-6 of 1, which rounds
-  // to exactly 1). Adds sum(bf16(p) - p) of this block to row_rounding (tSrS: P in float32; tOrP: P as P V reads it,
-  // in S's register order), and O is normalised by l + row_rounding (finalize<true>). Called on boundary key blocks
-  // only: a row that sees fewer keys than a block holds has them all there, so its O is normalised by the sum of the
-  // P it used, up to float32 summation (one key: p + (bf16(p) - p) = bf16(p) exactly, each step exact); on interior
+  // to exactly 1). Adds sum(bf16(p) - p) of this block to the row's rounding sum (tSrS: P in float32; tOrP: P as P V
+  // reads it, in S's register order), and O is normalised by l plus that sum (finalize<true>). Called on boundary key
+  // blocks only: a row that sees fewer keys than a block holds has them all there, so its O is normalised by the sum of
+  // the P it used, up to float32 summation (one key: p + (bf16(p) - p) = bf16(p) exactly, each step exact); on interior
   // blocks, where every row sees every key, a long row's rounding errors average out as in the online softmax. The
   // LSE keeps the unrounded sum, from which the backward recomputes P: a one-key row's P is within ~1e-5 of 1 there,
   // rounds to 1, and the key's dV is the exact dO.
+  // rounding: this thread's rounding sums, row r at rounding[r * stride]: shared memory at head_dim 96/128 (out of the
+  // main loop's registers, where two more live values made ptxas reload others from local memory every key block),
+  // else a register array of the caller.
   template <class TensorS, class TensorP>
-  CUTLASS_DEVICE void add_rounding(TensorS const& tSrS, TensorP const& tOrP) {
+  CUTLASS_DEVICE void add_rounding(TensorS const& tSrS, TensorP const& tOrP, float* rounding, int stride) {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     Tensor p = make_tensor(tOrP.data(), acc_rowcol(tSrS.layout()));
     static_assert(decltype(size<0>(p))::value == kRows);
@@ -146,7 +148,7 @@ struct OnlineSoftmax {
       float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four dependency chains instead of one
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) { sum[j % 4] += float(p(r, j)) - s(r, j); }
-      row_rounding[r] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      rounding[r * stride] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
     }
   }
 
@@ -163,15 +165,17 @@ struct OnlineSoftmax {
 
   // Completes the row sums across the quad; returns 1/l per row (0 for a row that saw no key) and writes the
   // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row). kRounding (the fixed maximum): O's 1/l from
-  // l + row_rounding instead (add_rounding); both are 0 exactly when the row saw no key (P >= exp(-2c) is a normal
-  // bf16 number).
+  // l plus the rounding sum instead (add_rounding); both are 0 exactly when the row saw no key (P >= exp(-2c) is a
+  // normal bf16 number).
   template <bool kRounding = false>
-  CUTLASS_DEVICE cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse) {
+  CUTLASS_DEVICE cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse,
+                                                    float const* rounding = nullptr, int stride = 0) {
     cute::array<float, kRows> inv_sum;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float const l = quad_sum(row_sum[r]);
-      float const l_o = kRounding ? l + quad_sum(row_rounding[r]) : l;
+      float l_o = l;
+      if constexpr (kRounding) { l_o = l + quad_sum(rounding[r * stride]); }
       bool const empty = l == 0.f;  // a NaN sum (NaN input) stays NaN in O and LSE rather than reading as "no key"
       inv_sum[r] = empty ? 0.f : 1.f / l_o;
       lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(l);

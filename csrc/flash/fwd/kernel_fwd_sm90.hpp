@@ -116,6 +116,11 @@ struct FwdKernelTraits {
     int m_block, bidh, n_block_min, n_block_max;
   };
 
+  // Shared-memory slots for the fixed-maximum softcap's per-row rounding sums (OnlineSoftmax::add_rounding), out of
+  // the main loop's registers. H200, 2026-12-01 (session 19 call 1, bf16 softcap 30, against registers): head_dim 128
+  // +0 to +3 %, causal 4096 +4 to +8 %; head_dim 64 -2 to -4.5 % (its 192-row tile spills either way), so it keeps
+  // registers; head_dim 192 and 256 have no shared memory left.
+  static constexpr int kRoundingSlots = (kHeadDim > 64 && kHeadDim <= 128) ? 2 * NumMmaThreads : 0;
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutKV>, 1024> smem_k;
@@ -125,6 +130,7 @@ struct FwdKernelTraits {
     cutlass::arch::ClusterBarrier barrier_q_empty[kQBuffers];       // consumers done with that sQ and tile_idx
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
+    float rounding[kRoundingSlots > 0 ? kRoundingSlots : 1];  // the fixed-maximum softcap's row sums' rounding
     int tile_idx[kQBuffers];  // the producer's tile for the consumers; -1: no more tiles
     TileInfo tile_info[kQBuffers];  // that tile decoded (valid when tile_idx >= 0)
   };
@@ -376,7 +382,15 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     if (boundary(n_block)) { window.apply(tSrS, tScS, m_block, n_block); }
   };
   clear(tOrO);
-  if constexpr (kFixedMax) { softmax.fix_max(); }
+  float rounding_regs[kRows];
+  constexpr bool kRoundingInSmem = Traits::kRoundingSlots > 0;
+  static_assert(!kRoundingInSmem || Traits::kRoundingSlots == kRows * Traits::NumMmaThreads);
+  float* const rounding = kRoundingInSmem ? ss.rounding + mma_tidx : rounding_regs;  // this thread's own slots
+  constexpr int rounding_stride = kRoundingInSmem ? Traits::NumMmaThreads : 1;
+  if constexpr (kFixedMax) {
+    softmax.fix_max();
+    for (int r = 0; r < kRows; ++r) { rounding[r * rounding_stride] = 0.f; }
+  }
   // The softmax of one key block; false when O needs no rescaling (no row maximum moved, or a softcap's fixed
   // maximum).
   auto softmax_step = [&](auto& tSrS, cute::array<float, kRows>& rescale) {
@@ -393,7 +407,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   auto convert_p = [&](auto const& tSrS, auto& tOrP, int n_block) {
     convert_type_into(tSrS, tOrP);
     if constexpr (kFixedMax) {
-      if (boundary(n_block)) { softmax.add_rounding(tSrS, tOrP); }
+      if (boundary(n_block)) { softmax.add_rounding(tSrS, tOrP, rounding, rounding_stride); }
     }
   };
 
@@ -531,7 +545,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // Epilogue: O / l and LSE (rows past seqlen_q and columns past head_dim_v are not written).
   cute::array<float, kRows> lse;
-  auto inv_sum = softmax.template finalize<kFixedMax>(params.score_scale, lse);
+  auto inv_sum = softmax.template finalize<kFixedMax>(params.score_scale, lse, rounding, rounding_stride);
   OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
   Tensor tOrO_out = convert_type<Element>(tOrO);
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
