@@ -117,9 +117,9 @@ struct FwdKernelTraits {
   };
 
   // Shared-memory slots for the fixed-maximum softcap's per-row rounding sums (OnlineSoftmax::add_rounding), out of
-  // the main loop's registers. H200, 2026-12-01 (session 19 call 1, bf16 softcap 30, against registers): head_dim 128
-  // +0 to +3 %, causal 4096 +4 to +8 %; head_dim 64 -2 to -4.5 % (its 192-row tile spills either way), so it keeps
-  // registers; head_dim 192 and 256 have no shared memory left.
+  // the main loop's registers. H200, 2026-12-01 (session 19 call 1, bf16 softcap 30, means of two rounds, against
+  // registers): head_dim 128 -0.6 to +1.2 %, causal 4096 +5 %; head_dim 64 -4.5 % at 16384 (its 192-row tile spills
+  // either way), so it keeps registers; head_dim 192 and 256 have no shared memory left.
   static constexpr int kRoundingSlots = (kHeadDim > 64 && kHeadDim <= 128) ? 2 * NumMmaThreads : 0;
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
