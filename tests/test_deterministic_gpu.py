@@ -107,3 +107,44 @@ def test_deterministic_many_waves_gqa(head_dim, causal):
     _assert_identical(results, f"waves head_dim {head_dim}")
     for g in results[0]:
         assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("lanes", ["1", "2"])
+@pytest.mark.parametrize("case", ["window", "varlen-gqa"])
+def test_deterministic_dq_lanes_head_dim_256(monkeypatch, lanes, case):
+    """The head_dim 256 kernel's two dQ accumulator copies (flash/config.hpp bwd_dq_lanes, chosen by default only
+    without masks up to seqlen_k 8192), forced on and off with FAH_BWD_DQ_LANES on masks, varlen and GQA: an odd
+    number of key blocks (one lane has one more), empty and one-row sequences; bitwise equal over repeats and within
+    the reference rule."""
+    monkeypatch.setenv("FAH_BWD_DQ_LANES", lanes)
+    dtype = _built_dtype(256)
+    if case == "window":
+        q, dout = (_randn(2, 1000, 4, 256, dtype=dtype) for _ in range(2))
+        k, v = (_randn(2, 1100, 2, 256, dtype=dtype) for _ in range(2))
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = attention(*leaves, window_size=(300, 40), deterministic=True)
+        results = _repeat_grads(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+        _assert_identical(results, f"lanes {lanes} window")
+        ref = attention_ref_grads(q, k, v, dout, window_size=(300, 40))
+        naive = attention_ref_grads(q, k, v, dout, window_size=(300, 40), upcast=False)
+        for gname, g, r, n in zip(("dq", "dk", "dv"), results[0], ref, naive):
+            assert_close_by_rule(g, r, n, f"lanes {lanes} window {gname}")
+        return
+    lengths_q, lengths_k = [0, 300, 77, 513, 1], [10, 1100, 77, 0, 130]
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+                  for n in (lengths_q, lengths_k))
+    q, dout = (_randn(sum(lengths_q), 4, 256, dtype=dtype) for _ in range(2))
+    k, v = (_randn(sum(lengths_k), 2, 256, dtype=dtype) for _ in range(2))
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = attention_varlen(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), deterministic=True)
+    results = _repeat_grads(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+    _assert_identical(results, f"lanes {lanes} varlen")
+    for b in range(len(lengths_q)):
+        sq, sk = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
+        if lengths_q[b] == 0 or lengths_k[b] == 0:
+            continue  # the varlen tests check these sequences' zeros; here only sequences with a gradient to compare
+        args = [t[None, s] for t, s in ((q, sq), (k, sk), (v, sk), (dout, sq))]
+        ref = attention_ref_grads(*args)
+        naive = attention_ref_grads(*args, upcast=False)
+        for gname, g, r, n, s in zip(("dq", "dk", "dv"), results[0], ref, naive, (sq, sk, sk)):
+            assert_close_by_rule(g[s][None], r, n, f"lanes {lanes} varlen sequence {b} {gname}")

@@ -482,7 +482,10 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   int64_t const ws_outer = is_varlen ? int64_t(nheads) : int64_t(batch) * nheads;
   auto f32 = q.options().dtype(at::kFloat);
   // Rows of the kernel's width (that of the larger head dim): the kernels index the dQ accumulator with it.
-  at::Tensor dq_accum = zeroed({ws_outer, rows, int64_t(padded_head_dim(std::max(head_dim, head_dim_v)))}, f32);
+  int const kernel_head_dim = padded_head_dim(std::max(head_dim, head_dim_v));
+  bool const full_rows = opts.window_left < 0 && opts.window_right < 0 && docs.bounds == nullptr;
+  int const dq_lanes = flash::bwd_dq_lanes(kernel_head_dim, deterministic, full_rows, seqlen_k);
+  at::Tensor dq_accum = zeroed({dq_lanes * ws_outer, rows, int64_t(kernel_head_dim)}, f32);
   at::Tensor lse_log2 = at::empty({ws_outer, rows}, f32);
   at::Tensor dpsum = at::empty({ws_outer, rows}, f32);
   // GQA/MQA: one CTA runs a whole group's query heads over its K/V tile where that grid fills the GPU (dK/dV written
@@ -499,7 +502,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   at::Tensor dq_semaphore, dkv_semaphore;
   if (deterministic) {
     auto i32 = q.options().dtype(at::kInt);
-    dq_semaphore = zeroed({ws_outer * rows / 64}, i32);  // one per 64 workspace rows (flash/bwd dq_turn)
+    dq_semaphore = zeroed({dq_lanes * ws_outer * rows / 64}, i32);  // per 64 workspace rows and lane (dq_turn)
     if (sums) { dkv_semaphore = zeroed({int64_t(batch) * nheads_k * ((seqlen_k + 63) / 64)}, i32); }
   }
   at::Tensor dq4 = dq.dim() == 3 ? dq.unsqueeze(0) : dq;
@@ -543,6 +546,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   p.doc_bounds = docs.bounds;
   p.dq_semaphore = dq_semaphore.defined() ? dq_semaphore.data_ptr<int>() : nullptr;
   p.dkv_semaphore = dkv_semaphore.defined() ? dkv_semaphore.data_ptr<int>() : nullptr;
+  p.dq_lanes = dq_lanes;
 
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper backward launch failed: ", cudaGetErrorString(err));

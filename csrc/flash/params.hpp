@@ -112,6 +112,10 @@ struct BwdParams {
   // GQA fp32 sums (dk_accum_ptr), one per (batch, K/V head, 64-key block) for dK/dV, ordering the cross-CTA sums.
   int* dq_semaphore;
   int* dkv_semaphore;
+  // Copies of dq_accum (deterministic mode, head_dim > 128 kernels only): 1, or 2, where key block n adds into copy
+  // n % 2 (dq_accum then holds two workspaces one after another, and dq_semaphore two counters per 64 rows), so that
+  // the CTAs of a head queue for each dQ tile in two independent orders; the postprocess adds the copies.
+  int dq_lanes = 1;
 };
 
 }  // namespace flash

@@ -147,6 +147,7 @@ struct BwdTraitsBase {
     // Query heads per CTA, one after another over the same K/V tile: 1, or (GQA) the whole group, whose dK/dV then
     // stay in registers across the group's heads and are stored once (no fp32 sums).
     int heads_per_cta;
+    int dq_lanes;  // copies of the dQ accumulator, one after another (BwdParams::dq_lanes)
   };
 };
 
@@ -411,7 +412,8 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
 }
 
 // Deterministic mode: the dQ tile (m_block) of this (sequence, head) takes the sums of the key blocks that see it in
-// decreasing n_block order; returns its counter and this CTA's turn. Each CTA walks its query blocks upwards from
+// decreasing n_block order, in each lane (dq_lanes: key block n adds into copy n % dq_lanes of the accumulator, with
+// a counter of its own); returns that counter and this CTA's turn. Each CTA walks its query blocks upwards from
 // the one nearest the diagonal, where (causal or windowed) it is the highest key block and so goes first: no CTA
 // waits for one that reaches the tile later. The kernel launches key blocks in reverse order in this mode, so a CTA
 // only ever waits for CTAs launched before it (no deadlock when a head has more key blocks than SMs).
@@ -422,11 +424,13 @@ CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo co
   make_window<Traits::kBlockM, Traits::kBlockN>(params, info).n_block_range(m_block, n_block_min, n_block_max);
   // Key blocks past the grid (a max_seqlen_k below a sequence's length, trusted under torch.compile) never run: count
   // turns among the launched ones, so that a wrong maximum drops their sums, as in the default mode, but never hangs.
-  turn = min(n_block_max, int(gridDim.x)) - 1 - n_block;
-  // One counter per kBlockM rows of the dQ workspace (in bounds wherever the workspace is, whatever max_seqlen says).
+  // Turns count the launched key blocks above this one in its lane.
+  turn = (min(n_block_max, int(gridDim.x)) - 1 - n_block) / params.dq_lanes;
+  // One counter per kBlockM rows of the dQ workspace and lane (in bounds wherever the workspace is, whatever
+  // max_seqlen says).
   int64_t const row = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                params.seqlen_q_rounded, info.batch_idx, bidh);
-  return params.dq_semaphore + row / Traits::kBlockM + m_block;
+  return params.dq_semaphore + (row / Traits::kBlockM + m_block) * params.dq_lanes + n_block % params.dq_lanes;
 }
 
 // Walks an accumulator fragment of a (seqlen, head_dim) tile as pairs of adjacent columns, rows at or past
@@ -589,6 +593,9 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
       tma_partition(params.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sDQq), group_modes<0, 2>(gDQ)));
   bool const leader = cute::elect_one_sync();
   constexpr bool deterministic = kDeterministic;
+  // This key block's copy of the accumulator (dq_lanes), as a row-tile offset in the chunk view.
+  int const lane_row_tiles = (n_block % params.dq_lanes) * (params.dq_accum_rows / params.dq_lanes) /
+                             Traits::kDQChunkRows;
   int const num_tiles = params.heads_per_cta * (m_block_max - m_block_min);
   int tile_idx = 0;  // over the CTA's (head, m_block) tiles, the order the consumers take them in
   for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {
@@ -608,10 +615,11 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
           if (leader) {
             if (deterministic && pass == 0 && wg == 0) { semaphore_wait_for_bulk(sem, turn); }
             auto const tile = Traits::dq_chunk_tile(row_base, m_block, 2 * pass + wg);
+            int const row_tile = lane_row_tiles + get<0>(tile);
             if (pass == 1) {
-              copy(params.tma_dq, tDQsDQq(_, wg + 2 * stage), tDQgDQ(_, get<0>(tile), get<1>(tile)));
+              copy(params.tma_dq, tDQsDQq(_, wg + 2 * stage), tDQgDQ(_, row_tile, get<1>(tile)));
             } else {
-              copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, get<0>(tile), get<1>(tile)));
+              copy(params.tma_dq, tDQsDQ(_, wg), tDQgDQ(_, row_tile, get<1>(tile)));
             }
             tma_store_arrive();
           }

@@ -31,6 +31,10 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
     if (d <= 0 || d > kHeadDim || d % 8 != 0) { return cudaErrorInvalidValue; }
   }
   if (p.nheads_k <= 0 || p.nheads % p.nheads_k != 0) { return cudaErrorInvalidValue; }
+  // A second dQ accumulator: deterministic mode and the untiled postprocess only (BwdParams::dq_lanes).
+  if (p.dq_lanes != 1 && (p.dq_lanes != 2 || p.dq_semaphore == nullptr || Cfg::kSwapSdP)) {
+    return cudaErrorInvalidValue;
+  }
   bool const gqa = p.nheads_k != p.nheads;
   // GQA sums dK/dV in fp32 across CTAs unless one CTA runs the whole group (heads_per_cta).
   bool const sums = gqa && p.heads_per_cta == 1;
@@ -76,7 +80,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   auto q_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
   // The dQ accumulator is the host's workspace, with rows of kHeadDim floats (padded, not the caller's head_dim).
   int64_t const dq_accum_rows =
-      int64_t(varlen ? 1 : p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim / Traits::kDQAccumCols;
+      int64_t(p.dq_lanes) * (varlen ? 1 : p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim / Traits::kDQAccumCols;
   if (dq_accum_rows > INT32_MAX) { return cudaErrorInvalidValue; }
   Tensor mDQaccum = make_tensor(make_gmem_ptr(p.dq_accum_ptr),
                                 make_layout(make_shape(int32_t(dq_accum_rows), Int<Traits::kDQAccumCols>{}),
@@ -147,6 +151,7 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       p.doc_bounds,
       dkv_tma,
       p.heads_per_cta,
+      p.dq_lanes,
   };
   // Softcap and deterministic mode are template arguments: either one's code in the loop (softcap's registers; the
   // memory fences of deterministic mode, which turn every fire-and-forget dQ reduction into a waited-for atomic)

@@ -2,7 +2,8 @@
 //   preprocess:  D = rowsum(dO ∘ O) − dLSE in fp32 and LSE·log2(e) per query row (padding rows: D = 0,
 //                LSE_log2 = +inf, and +inf too for rows that saw no key, so that P = exp2(x·scale_log2 − LSE_log2)
 //                is 0 there). dLSE (when the loss uses the LSE) folds into D because dS = P ∘ (dP − D) + P ∘ dLSE.
-//   postprocess: dQ = softmax_scale · dQ_accum, converted to the input dtype, into dQ's strided layout.
+//   postprocess: dQ = softmax_scale · dQ_accum, converted to the input dtype, into dQ's strided layout (with two
+//                accumulator copies, dq_lanes, their sum: copy 0 + copy 1, a fixed order).
 // dQ_accum rows are kHeadDim floats wide (the padded tile width); O and dO are read only in their first
 // p.head_dim_v columns, dQ written only in its first p.head_dim (the caller's, multiples of 8: whole vectors of 8).
 #pragma once
@@ -109,6 +110,13 @@ __global__ void flash_bwd_postprocess_kernel(BwdParams const p) {
        row) * kHeadDim +
       col;
   auto a = *reinterpret_cast<cutlass::Array<float, kVec> const*>(acc);
+  if (p.dq_lanes == 2) {
+    int64_t const lane_floats =
+        int64_t(p.cu_seqlens_q != nullptr ? 1 : p.batch) * p.nheads * p.seqlen_q_rounded * kHeadDim;
+    auto const b = *reinterpret_cast<cutlass::Array<float, kVec> const*>(acc + lane_floats);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec; ++i) { a[i] += b[i]; }
+  }
   cutlass::Array<Element, kVec> out;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kVec; ++i) { out[i] = Element(a[i] * p.softmax_scale); }
