@@ -110,25 +110,26 @@ def test_deterministic_many_waves_gqa(head_dim, causal):
 
 
 @pytest.mark.parametrize("lanes", ["1", "2"])
-@pytest.mark.parametrize("case", ["window", "varlen-gqa"])
+@pytest.mark.parametrize("case", ["window", "causal", "varlen-gqa"])
 def test_deterministic_dq_lanes_head_dim_256(monkeypatch, lanes, case):
     """The head_dim 256 kernel's two dQ accumulator copies (flash/config.hpp bwd_dq_lanes, chosen by default only
-    without masks up to seqlen_k 8192), forced on and off with FAH_BWD_DQ_LANES on masks, varlen and GQA: an odd
-    number of key blocks (one lane has one more), empty and one-row sequences; bitwise equal over repeats and within
-    the reference rule."""
+    without masks), forced on and off with FAH_BWD_DQ_LANES on masks, varlen and GQA: tiles seen by an odd number of
+    key blocks (one lane has one more), empty and one-row sequences; bitwise equal over repeats and within the
+    reference rule; a sequence without keys gets dQ = 0."""
     monkeypatch.setenv("FAH_BWD_DQ_LANES", lanes)
     dtype = _built_dtype(256)
-    if case == "window":
+    if case in ("window", "causal"):
+        kwargs = {"window_size": (300, 40)} if case == "window" else {"causal": True}
         q, dout = (_randn(2, 1000, 4, 256, dtype=dtype) for _ in range(2))
         k, v = (_randn(2, 1100, 2, 256, dtype=dtype) for _ in range(2))
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        out = attention(*leaves, window_size=(300, 40), deterministic=True)
+        out = attention(*leaves, deterministic=True, **kwargs)
         results = _repeat_grads(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
-        _assert_identical(results, f"lanes {lanes} window")
-        ref = attention_ref_grads(q, k, v, dout, window_size=(300, 40))
-        naive = attention_ref_grads(q, k, v, dout, window_size=(300, 40), upcast=False)
+        _assert_identical(results, f"lanes {lanes} {case}")
+        ref = attention_ref_grads(q, k, v, dout, **kwargs)
+        naive = attention_ref_grads(q, k, v, dout, upcast=False, **kwargs)
         for gname, g, r, n in zip(("dq", "dk", "dv"), results[0], ref, naive):
-            assert_close_by_rule(g, r, n, f"lanes {lanes} window {gname}")
+            assert_close_by_rule(g, r, n, f"lanes {lanes} {case} {gname}")
         return
     lengths_q, lengths_k = [0, 300, 77, 513, 1], [10, 1100, 77, 0, 130]
     cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -141,10 +142,36 @@ def test_deterministic_dq_lanes_head_dim_256(monkeypatch, lanes, case):
     _assert_identical(results, f"lanes {lanes} varlen")
     for b in range(len(lengths_q)):
         sq, sk = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(), cu_k[b + 1].item())
-        if lengths_q[b] == 0 or lengths_k[b] == 0:
-            continue  # the varlen tests check these sequences' zeros; here only sequences with a gradient to compare
+        if lengths_k[b] == 0:
+            assert torch.equal(results[0][0][sq], torch.zeros_like(results[0][0][sq])), f"sequence {b}: dq not 0"
+            continue
+        if lengths_q[b] == 0:
+            continue  # no query: nothing to compare here (test_varlen_gpu.py checks its keys' zero dK, dV)
         args = [t[None, s] for t, s in ((q, sq), (k, sk), (v, sk), (dout, sq))]
         ref = attention_ref_grads(*args)
         naive = attention_ref_grads(*args, upcast=False)
         for gname, g, r, n, s in zip(("dq", "dk", "dv"), results[0], ref, naive, (sq, sk, sk)):
             assert_close_by_rule(g[s][None], r, n, f"lanes {lanes} varlen sequence {b} {gname}")
+
+
+def test_deterministic_dq_lanes_take_effect(monkeypatch):
+    """Two accumulator copies sum dQ in another order than one: the bits differ (so the lanes tests above do run two
+    configurations), both are repeatable and within the reference rule, and dK, dV (no lanes) are bitwise the same."""
+    dtype = _built_dtype(256)
+    q, dout = (_randn(1, 2000, 4, 256, dtype=dtype) for _ in range(2))
+    k, v = (_randn(1, 2000, 4, 256, dtype=dtype) for _ in range(2))
+    grads = {}
+    for lanes in ("1", "2"):
+        monkeypatch.setenv("FAH_BWD_DQ_LANES", lanes)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = attention(*leaves, deterministic=True)
+        runs = [torch.autograd.grad(out, leaves, dout, retain_graph=True) for _ in range(3)]
+        _assert_identical(runs, f"lanes {lanes}")
+        grads[lanes] = runs[0]
+    assert not torch.equal(grads["1"][0], grads["2"][0]), "FAH_BWD_DQ_LANES=2 gave dQ bitwise equal to 1 copy"
+    assert torch.equal(grads["1"][1], grads["2"][1]) and torch.equal(grads["1"][2], grads["2"][2])
+    ref = attention_ref_grads(q, k, v, dout)
+    naive = attention_ref_grads(q, k, v, dout, upcast=False)
+    for lanes, g in grads.items():
+        for gname, a, r, n in zip(("dq", "dk", "dv"), g, ref, naive):
+            assert_close_by_rule(a, r, n, f"lanes {lanes} {gname}")

@@ -484,7 +484,8 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   // Rows of the kernel's width (that of the larger head dim): the kernels index the dQ accumulator with it.
   int const kernel_head_dim = padded_head_dim(std::max(head_dim, head_dim_v));
   bool const full_rows = opts.window_left < 0 && opts.window_right < 0 && docs.bounds == nullptr;
-  int const dq_lanes = flash::bwd_dq_lanes(kernel_head_dim, deterministic, full_rows, seqlen_k);
+  int const dq_lanes = flash::bwd_dq_lanes(kernel_head_dim, deterministic, full_rows, seqlen_k,
+                                           ws_outer * rows * kernel_head_dim * int64_t(sizeof(float)));
   at::Tensor dq_accum = zeroed({dq_lanes * ws_outer, rows, int64_t(kernel_head_dim)}, f32);
   at::Tensor lse_log2 = at::empty({ws_outer, rows}, f32);
   at::Tensor dpsum = at::empty({ws_outer, rows}, f32);

@@ -160,17 +160,20 @@ inline int bwd_heads_per_cta(int head_dim, int seqlen_k, int batch, int nheads, 
 
 // Deterministic mode: copies of the dQ accumulator (BwdParams::dq_lanes). Where every key block sees every query
 // block, each dQ tile's queue makes a head's last CTA wait for all the others' turns before its first sum (the CTAs of
-// a head start at the same tile); two copies give two queues half as long. H200, 2026-12-02 (session 19 call 3, a
-// timing build with two queues over one accumulator), head_dim 256 non-causal deterministic bf16 TFLOP/s: 4096
-// 328 -> 360 (+10 %), 16384 376 -> 378; head_dim 128 4096 +2 % (less than the second copy's zero fill and read).
-// So: the head_dim 256 kernel, no causal mask, window or documents, seqlen_k <= 8192 (where the copy's memory is
-// also smaller). FAH_BWD_DQ_LANES=1 or 2 forces either for that kernel (tests/test_deterministic_gpu.py).
-inline int bwd_dq_lanes(int kernel_head_dim, bool deterministic, bool full_rows, int seqlen_k) {
+// a head start at the same tile); two copies give two queues half as long. H200, 2026-12-02 (session 19), head_dim
+// 256 non-causal deterministic bf16 TFLOP/s: a timing build with two queues over one accumulator (call 3) 4096
+// 328 -> 360 (+10 %), 16384 +0.7 %, head_dim 128 4096 +2 % (less than a second copy's zero fill and read costs);
+// the two copies (call 4) 4096 327 -> 350 (+6.6 %). So: the head_dim 256 kernel, no causal mask, window or
+// documents, seqlen_k <= 8192 (a head's key blocks mostly co-resident), and the copy at most 1 GiB (copy_bytes: one
+// copy's size; it grows with the query rows). The choice changes dQ's bits (another summation order), never its
+// repeatability: the same call gives the same bits. FAH_BWD_DQ_LANES=1 or 2 forces either for that kernel
+// (tests/test_deterministic_gpu.py).
+inline int bwd_dq_lanes(int kernel_head_dim, bool deterministic, bool full_rows, int seqlen_k, int64_t copy_bytes) {
   if (!deterministic || kernel_head_dim <= 128) { return 1; }
   if (char const* v = std::getenv("FAH_BWD_DQ_LANES"); v != nullptr && (v[0] == '1' || v[0] == '2')) {
     return v[0] - '0';
   }
-  return full_rows && seqlen_k <= 8192 ? 2 : 1;
+  return full_rows && seqlen_k <= 8192 && copy_bytes <= (int64_t(1) << 30) ? 2 : 1;
 }
 
 }  // namespace flash

@@ -133,8 +133,8 @@ struct BwdTraitsBase {
     int seqlen_q_rounded;                      // workspace rows per (batch, head), or per head when varlen
     int const* cu_seqlens_q;                   // varlen: (batch + 1) row offsets; else null
     int const* cu_seqlens_k;
-    // Deterministic mode (else null): zeroed counters ordering the sums into each dQ tile, per (batch, head, m_block),
-    // and (GQA sums) into each dK/dV tile, per (batch, K/V head, n_block) (flash/common/semaphore.hpp).
+    // Deterministic mode (else null): zeroed counters ordering the sums into each dQ tile, per (batch, head, m_block,
+    // lane), and (GQA sums) into each dK/dV tile, per (batch, K/V head, n_block) (flash/common/semaphore.hpp).
     int* dq_semaphore;
     int* dkv_semaphore;
     float softmax_scale;  // α: scales dK here and dQ in the postprocess
@@ -425,12 +425,13 @@ CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo co
   // Key blocks past the grid (a max_seqlen_k below a sequence's length, trusted under torch.compile) never run: count
   // turns among the launched ones, so that a wrong maximum drops their sums, as in the default mode, but never hangs.
   // Turns count the launched key blocks above this one in its lane.
-  turn = (min(n_block_max, int(gridDim.x)) - 1 - n_block) / params.dq_lanes;
+  int const lane_bits = Traits::kSwapSdP ? 0 : params.dq_lanes - 1;  // dq_lanes is 1 or 2 (1 for kSwapSdP)
+  turn = (min(n_block_max, int(gridDim.x)) - 1 - n_block) >> lane_bits;
   // One counter per kBlockM rows of the dQ workspace and lane (in bounds wherever the workspace is, whatever
   // max_seqlen says).
   int64_t const row = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                params.seqlen_q_rounded, info.batch_idx, bidh);
-  return params.dq_semaphore + (row / Traits::kBlockM + m_block) * params.dq_lanes + n_block % params.dq_lanes;
+  return params.dq_semaphore + ((row / Traits::kBlockM + m_block) << lane_bits) + (n_block & lane_bits);
 }
 
 // Walks an accumulator fragment of a (seqlen, head_dim) tile as pairs of adjacent columns, rows at or past
@@ -594,8 +595,8 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
   bool const leader = cute::elect_one_sync();
   constexpr bool deterministic = kDeterministic;
   // This key block's copy of the accumulator (dq_lanes), as a row-tile offset in the chunk view.
-  int const lane_row_tiles = (n_block % params.dq_lanes) * (params.dq_accum_rows / params.dq_lanes) /
-                             Traits::kDQChunkRows;
+  int const lane_bits = (Traits::kSwapSdP || !kDeterministic) ? 0 : params.dq_lanes - 1;  // as in dq_turn
+  int const lane_row_tiles = (n_block & lane_bits) * ((params.dq_accum_rows >> lane_bits) / Traits::kDQChunkRows);
   int const num_tiles = params.heads_per_cta * (m_block_max - m_block_min);
   int tile_idx = 0;  // over the CTA's (head, m_block) tiles, the order the consumers take them in
   for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {
