@@ -1,7 +1,8 @@
 """Profile one forward launch under Nsight Compute (run by scripts/ncu_fwd.sh): bf16, batch*seqlen = 16384 tokens,
 nheads = 2048 / head_dim, as the benchmark's grid. Usage: ncu_fwd.py HEAD_DIM SEQLEN MODE [causal] [bwd], MODE one of
-dense, softcap (softcap 30, the benchmark's value), window ((1024, 1024), or (1024, 0) when causal); with bwd the
-profiled range holds one backward instead (ncu_fwd.sh's KERNEL picks the kernel)."""
+dense, softcap (softcap 30, the benchmark's value), window ((1024, 1024), or (1024, 0) when causal), deterministic
+(the backward's deterministic mode); with bwd the profiled range holds one backward instead (ncu_fwd.sh's KERNEL picks
+the kernel)."""
 import sys
 
 import torch
@@ -20,6 +21,10 @@ if mode == "softcap":
     kw["softcap"] = 30.0
 elif mode == "window":
     kw["window_size"] = (1024, 0 if causal else 1024)
+elif mode == "deterministic":
+    kw["deterministic"] = True
+elif mode != "dense":
+    sys.exit(f"unknown MODE {mode!r}")
 
 
 def step(profiled):
