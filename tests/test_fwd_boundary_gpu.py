@@ -10,8 +10,8 @@ and where each key is seen by one row, that key's dV must be that row's dO exact
 file (then named test_fwd_half_skip_gpu.py, in session 17's run 1, on a build with half-block skipping whose softmax
 was the submitted one's) found the bf16 fixed-maximum softcap normalising O by the sum of the unrounded P, one bf16
 ulp off V on one-key rows (now O is normalised by the unrounded sum plus what rounding P changed of it on boundary key
-blocks, where all the keys of such rows lie: OnlineSoftmax::add_rounding). Skipped, with the reason, without an sm90 GPU and the built extension
-(see conftest.py)."""
+blocks, where all the keys of such rows lie: OnlineSoftmax::add_rounding). Skipped, with the reason, without an sm90
+GPU and the built extension (see conftest.py)."""
 
 import pytest
 import torch
