@@ -13,8 +13,13 @@ constexpr int kFwdPersistentMaxKeyBlocks = 32;
 //   hdim 256: 128 x  80, 2 stages, 1 Q -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
 // Two consumer warpgroups of 64 query rows each (kBlockM = 128; head_dim 64 also three, below). First configuration
 // (2026-11-29): chosen to fit, not yet tuned by measurement. kIntraWGOverlap (issue QKᵀ of the next block before the
-// softmax of this one) needs S, P and O live at once: head_dim 256 spills 76 bytes with it at 224 registers, so it
-// runs without.
+// softmax of this one) needs S, P and O live at once: head_dim 192 and 256 ran without it until session 20 (spills of
+// 104 and 76 B at 224 registers); at 232 registers with Q's descriptors rebuilt per key block
+// (FwdKernelTraits::kQDescriptorsPerBlock) neither spills. H200, 2026-12-02 (session 20 call 3, bf16 TFLOP/s, two
+// rounds, without / with): head_dim 256 non-causal 1024 632 / 642, 2048 648-650 / 669-683, 4096 676-757 / 696-715 (757
+// one reading), 16384 708 / 736-747, causal 1024 416-419 / 422, 2048 509-516 / 527-538, 4096 568-576 / 584-588, 16384
+// 689 / 705-713; head_dim 192 (hidden 1536) non-causal 1024 559-560 / 581-582, 4096 663 / 704, 16384 691-707 / 733,
+// causal 1024 379 / 391-394, 4096 556-573 / 578-584, 16384 677 / 697-712.
 // kPersistent: one CTA per SM loops over tiles (the next tile's loads overlap this tile's epilogue), chosen at run
 // time for short key ranges (run_fwd_sm90). H200, 2026-11-30, bf16 TFLOP/s persistent vs one CTA per tile (same
 // build): head_dim 128 seqlen 512 416 vs 365, 2048 549 vs 529, causal 1024 364 vs 335, but causal 8192 538 vs 560;
@@ -94,13 +99,12 @@ struct FwdTileConfig<96> {
 };
 
 // head_dim 192 (the DeepSeek-style 192 / 128 pair included; session 9): 128 x 112, 2 stages, 1 Q -> 217 KiB (112 is
-// the largest multiple of 16 that fits, so one Q buffer and one CTA per tile); no intra-warpgroup overlap, as head_dim
-// 256: with it ptxas spills 104 B at 224 registers (S, P and a 192-wide O live at once). Before, 192 ran on the
-// 256-wide kernel.
+// the largest multiple of 16 that fits, so one Q buffer and one CTA per tile); intra-warpgroup overlap since session 20
+// (above). Before, 192 ran on the 256-wide kernel.
 template <>
 struct FwdTileConfig<192> {
   static constexpr int kBlockM = 128, kBlockN = 112, kStages = 2;
-  static constexpr bool kIntraWGOverlap = false, kPersistent = false;
+  static constexpr bool kIntraWGOverlap = true, kPersistent = false;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };
@@ -108,7 +112,7 @@ struct FwdTileConfig<192> {
 template <>
 struct FwdTileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
-  static constexpr bool kIntraWGOverlap = false, kPersistent = false;
+  static constexpr bool kIntraWGOverlap = true, kPersistent = false;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };

@@ -46,6 +46,13 @@ struct FwdKernelTraits {
   // 597/622, causal 379-380/380, 511-521/528-529, 592-597/619-661; 256 no mask +1-3 %; 192 within the spread. head_dim
   // 64 lost 5-10 % in an earlier try whose records were lost (NOTES.md, session 10): its loops grew longer.
   static constexpr bool kLazyRescale = kHeadDim_ >= 128;
+  // Q's WGMMA descriptors rebuilt at each key block's QKᵀ rather than kept live through the loop: 12 or 16 of them
+  // (24 or 32 registers) at head_dim 192 or 256, which is what lets those two run with intra-warpgroup overlap without
+  // spilling (config.hpp). H200, 2026-12-02 (session 20 call 2, bf16 TFLOP/s, two rounds, kept / rebuilt, head_dim
+  // 256 still without overlap): causal 1024 413-415 / 421, 4096 569-574 / 585-622, 16384 681 / 702-704, non-causal
+  // 1024 +1 %, 4096 -1.5 %, 16384 +1-6 %. Rebuilt at head_dim 64 and 128 (four and eight of them) they lost: -2 to
+  // -3.5 % at 1024/4096 and -0.5 to -2 %.
+  static constexpr bool kQDescriptorsPerBlock = kHeadDim_ > 128;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -54,11 +61,15 @@ struct FwdKernelTraits {
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kTurnBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;  // the waiter and the previous
   static constexpr int kEpilogueBarrier = 2 + NumMmaWarpGroups;  // named barriers: turns 2 + w, epilogue this + w
-  // setmaxnreg budgets within the 65536 registers per SM: two consumer warpgroups 56 * 128 + 224 * 256 = 64512 (24
-  // made the producer spill); three 32 * 128 + 160 * 384 = 65536.
+  // setmaxnreg budgets within the 65536 registers per SM: two consumer warpgroups 40 * 128 + 232 * 256 = 64512;
+  // three 32 * 128 + 160 * 384 = 65536. ptxas, two consumers (session 20): 56/224 left head_dim 128's consumers 8 B of
+  // spill stores and 36-44 B of loads (LDLs in the key-block loop) and head_dim 256 36/44 B; 40/232 spills nothing at
+  // head_dim 96/128/192 and 4/12 B at 256; 24/240 moved 188 B of spills into the producer's loop. H200, 2026-12-02
+  // (session 20 call 2, bf16, two rounds, 40/232 against 56/224): head_dim 128 dense +0.5 to +2.5 %, softcap -0.1 to
+  // +1.9 %; head_dim 256 -1.5 to +0.4 %.
   static_assert(NumMmaWarpGroups == 2 || NumMmaWarpGroups == 3, "register budgets for two or three consumers");
-  static constexpr int kProducerRegs = NumMmaWarpGroups == 2 ? 56 : 32;
-  static constexpr int kConsumerRegs = NumMmaWarpGroups == 2 ? 224 : 160;
+  static constexpr int kProducerRegs = NumMmaWarpGroups == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = NumMmaWarpGroups == 2 ? 232 : 160;
   static_assert(register_budget_fits<NumThreads, kProducerRegs, kConsumerRegs>());
   // head_dim: whole 32-element (64-byte) swizzle atoms of the K-major Q/K/V tiles (96 = 3 x 32); kBlockN: WGMMA's K.
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0);
@@ -364,6 +375,19 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   using SHalfLayout =  // one half's accumulator fragment, laid over the registers of S (kSplitQK)
       decltype(partition_fragment_C(tiled_mma_qk_half, Shape<Int<kBlockM>, Int<kBlockN / 2>>{}).layout());
 
+  // Q's WGMMA descriptors (one 64-bit value per 16 columns of head_dim) in the key-block loop: rebuilt at each QKᵀ
+  // from an opaque copy of sQ's address where Traits::kQDescriptorsPerBlock, else kept live through the loop by the
+  // compiler.
+  auto q_operand = [&]() {
+    if constexpr (Traits::kQDescriptorsPerBlock) {
+      Element* q_ptr = ss.smem_q[q_buf].data();
+      asm volatile("" : "+l"(q_ptr));
+      return thr_mma_qk.partition_fragment_A(make_tensor(make_smem_ptr(q_ptr), typename Traits::SmemLayoutQ{}));
+    } else {
+      return tSrQ;
+    }
+  };
+
   Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
@@ -460,7 +484,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         warpgroup_wait<0>();  // P's registers die before S's accumulator is born
         stage_release(ss.pipeline_v, v_state);
         ++v_state;
-        wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+        wgmma</*zero_init=*/true>(tiled_mma_qk, q_operand(), tSrK(_, _, _, k_state.index()), tSrS);
         pass_turn();
         warpgroup_wait<0>();
         stage_release(ss.pipeline_k, k_state);
@@ -514,7 +538,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         for (int i = kHalf; i < 2 * kHalf; ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
         if (boundary(n_block)) { window.apply(tSrS, tScS, m_block, n_block); }
       } else {
-        wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+        wgmma</*zero_init=*/true>(tiled_mma_qk, q_operand(), tSrK(_, _, _, k_state.index()), tSrS);
         wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
         pass_turn();
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
