@@ -50,8 +50,8 @@ struct FwdKernelTraits {
   // (24 or 32 registers) at head_dim 192 or 256, which is what lets those two run with intra-warpgroup overlap without
   // spilling (config.hpp). H200, 2026-12-02 (session 20 call 2, bf16 TFLOP/s, two rounds, kept / rebuilt, head_dim
   // 256 still without overlap): causal 1024 413-415 / 421, 4096 569-574 / 585-622, 16384 681 / 702-704, non-causal
-  // 1024 +1 %, 4096 -1.5 %, 16384 +1-6 %. Rebuilt at head_dim 64 and 128 (four and eight of them) they lost: -2 to
-  // -3.5 % at 1024/4096 and -0.5 to -2 %.
+  // 1024 +1 %, 4096 -1.5 %, 16384 +1-6 %. Rebuilt at head_dim 64 (four of them) -2.2 to -3.8 % at 1024/4096, +0.8 %
+  // at 16384; at head_dim 128 (eight) -2.3 to +0.1 %: so kept live there.
   static constexpr bool kQDescriptorsPerBlock = kHeadDim_ > 128;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -63,10 +63,10 @@ struct FwdKernelTraits {
   static constexpr int kEpilogueBarrier = 2 + NumMmaWarpGroups;  // named barriers: turns 2 + w, epilogue this + w
   // setmaxnreg budgets within the 65536 registers per SM: two consumer warpgroups 40 * 128 + 232 * 256 = 64512;
   // three 32 * 128 + 160 * 384 = 65536. ptxas, two consumers (session 20): 56/224 left head_dim 128's consumers 8 B of
-  // spill stores and 36-44 B of loads (LDLs in the key-block loop) and head_dim 256 36/44 B; 40/232 spills nothing at
-  // head_dim 96/128/192 and 4/12 B at 256; 24/240 moved 188 B of spills into the producer's loop. H200, 2026-12-02
-  // (session 20 call 2, bf16, two rounds, 40/232 against 56/224): head_dim 128 dense +0.5 to +2.5 %, softcap -0.1 to
-  // +1.9 %; head_dim 256 -1.5 to +0.4 %.
+  // spill stores and 36-44 B of loads (LDLs in the key-block loop) and head_dim 256 36/44 B; 40/232 spilled nothing at
+  // head_dim 96/128/192 and 4/12 B at 256 (none since kQDescriptorsPerBlock); 24/240 moved 188 B of spills into the
+  // producer's loop. H200, 2026-12-02 (session 20 call 2, bf16, two rounds, 40/232 against 56/224): head_dim 128 dense
+  // -0.6 to +2.5 %, softcap -0.1 to +1.9 %; head_dim 256 (then without overlap) -1.5 to +0.4 %.
   static_assert(NumMmaWarpGroups == 2 || NumMmaWarpGroups == 3, "register budgets for two or three consumers");
   static constexpr int kProducerRegs = NumMmaWarpGroups == 2 ? 40 : 32;
   static constexpr int kConsumerRegs = NumMmaWarpGroups == 2 ? 232 : 160;
