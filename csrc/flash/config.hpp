@@ -12,9 +12,10 @@ constexpr int kFwdPersistentMaxKeyBlocks = 32;
 //   hdim 128: 128 x 128, 2 stages, 2 Q -> 192 KiB
 //   hdim 256: 128 x  80, 2 stages, 1 Q -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
 // Two consumer warpgroups of 64 query rows each (kBlockM = 128; head_dim 64 also three, below). First configuration
-// (2026-11-29): chosen to fit, not yet tuned by measurement. kIntraWGOverlap (issue QKᵀ of the next block before the
-// softmax of this one) needs S, P and O live at once: head_dim 192 and 256 ran without it until session 20 (spills of
-// 104 and 76 B at 224 registers); at 232 registers with Q's descriptors rebuilt per key block
+// (2026-11-29): chosen to fit, not yet tuned by measurement. Every configuration runs the intra-warpgroup overlap
+// (fwd_consumer: QKᵀ of the next block issued before the softmax of this one), which needs S, P and O live at once:
+// head_dim 192 and 256 ran without it until session 20 (spills of 104 and 76 B at 224 registers; the sequential variant
+// was removed once no configuration used it); at 232 registers with Q's descriptors rebuilt per key block
 // (FwdKernelTraits::kQDescriptorsPerBlock) neither spills. H200, 2026-12-02 (session 20 call 3, bf16 TFLOP/s, two
 // rounds, without / with): head_dim 256 non-causal 1024 632 / 642, 2048 648-650 / 669-683, 4096 676-757 / 696-715 (757
 // one reading), 16384 708 / 736-747, causal 1024 416-419 / 422, 2048 509-516 / 527-538, 4096 568-576 / 584-588, 16384
@@ -38,7 +39,7 @@ struct FwdTileConfig;
 template <>
 struct FwdTileConfig<64> {
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2;
-  static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kPersistent = true;
   static constexpr bool kPersistentUnmasked = false;
   // No documents (document_ids run on FwdTileConfig64Narrow): their bounds pointer added 8-16 B of spill to these
   // already spilling consumers, and the non-causal forward at 4096 fell to 0.996x cuDNN from 1.036x (H200,
@@ -70,7 +71,7 @@ struct FwdTileConfig<64> {
 // causal 1024 258, 2048 345, 4096 387-390, 16384 457-461), non-causal 1024 became a tie (407 vs 413-415).
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
-  static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kPersistent = true;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };
@@ -83,7 +84,7 @@ constexpr double kFwd64WideCostMasked = 0.95;  // causal or windowed
 template <>
 struct FwdTileConfig<128> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
-  static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kPersistent = true;
   static constexpr bool kPersistentUnmasked = true;
   static constexpr bool kDocuments = true;
 };
@@ -93,7 +94,7 @@ struct FwdTileConfig<128> {
 template <>
 struct FwdTileConfig<96> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
-  static constexpr bool kIntraWGOverlap = true, kPersistent = true;
+  static constexpr bool kPersistent = true;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };
@@ -104,7 +105,7 @@ struct FwdTileConfig<96> {
 template <>
 struct FwdTileConfig<192> {
   static constexpr int kBlockM = 128, kBlockN = 112, kStages = 2;
-  static constexpr bool kIntraWGOverlap = true, kPersistent = false;
+  static constexpr bool kPersistent = false;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };
@@ -112,7 +113,7 @@ struct FwdTileConfig<192> {
 template <>
 struct FwdTileConfig<256> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
-  static constexpr bool kIntraWGOverlap = true, kPersistent = false;
+  static constexpr bool kPersistent = false;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
 };

@@ -32,11 +32,10 @@ namespace flash {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIntraWGOverlap_,
-          bool kPersistent_, bool kDocuments_ = true>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPersistent_,
+          bool kDocuments_ = true>
 struct FwdKernelTraits {
   using Element = Element_;
-  static constexpr bool kIntraWGOverlap = kIntraWGOverlap_;
   static constexpr bool kPersistent = kPersistent_;  // else one tile per CTA, the tile loop compiled out
   static constexpr bool kDocuments = kDocuments_;    // else document bounds compiled out (doc_bounds must be null)
   static constexpr int kHeadDim = kHeadDim_;
@@ -355,7 +354,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   // 1024/4096/16384 456-458/526-532/544-550 -> 462/537/550-551, causal 334-338/436-445/531-543 -> 343-346/445-446/
   // 542; Nsight Compute 3.79 -> 3.66 ms at 16384. Without a softcap (the row maximum of the first half under the
   // second's GEMM) it lost 4-6 %: 16 HGMMAs of N = 64 to issue instead of 8, and 28 B of spills.
-  constexpr bool kSplitQK = Traits::kIntraWGOverlap && kHeadDim == 128 && kFixedMax && FAH_SPLIT_QK;
+  constexpr bool kSplitQK = kHeadDim == 128 && kFixedMax && FAH_SPLIT_QK;
 
   typename Traits::TiledMmaQK tiled_mma_qk;
   typename Traits::TiledMmaPV tiled_mma_pv;
@@ -476,24 +475,6 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
     for (--n_block; n_block >= n_block_min; --n_block) {
       Tensor tSrS = S();
-      if constexpr (!Traits::kIntraWGOverlap) {  // finish P V of the previous block first (fewer live registers)
-        stage_wait(ss.pipeline_v, v_state);
-        stage_wait(ss.pipeline_k, k_state);
-        wait_turn();
-        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-        warpgroup_wait<0>();  // P's registers die before S's accumulator is born
-        stage_release(ss.pipeline_v, v_state);
-        ++v_state;
-        wgmma</*zero_init=*/true>(tiled_mma_qk, q_operand(), tSrK(_, _, _, k_state.index()), tSrS);
-        pass_turn();
-        warpgroup_wait<0>();
-        stage_release(ss.pipeline_k, k_state);
-        ++k_state;
-        prepare_scores(tSrS, n_block);
-        if (softmax_step(tSrS, rescale)) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
-        convert_p(tSrS, tOrP, n_block);
-        continue;
-      }
       stage_wait(ss.pipeline_k, k_state);
       stage_wait(ss.pipeline_v, v_state);
       wait_turn();

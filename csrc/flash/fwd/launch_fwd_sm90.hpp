@@ -31,8 +31,8 @@ inline int fwd_persistent_max_key_blocks() {
 
 template <class Element, int kHeadDim, class Cfg>
 cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
-  using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kIntraWGOverlap,
-                                 Cfg::kPersistent, Cfg::kDocuments>;
+  using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kPersistent,
+                                 Cfg::kDocuments>;
   // Any head_dim that is a multiple of 8 (16-byte rows for TMA) up to the tile width: the columns past it are
   // zero-filled on load and never stored.
   // V (and O) may have their own head_dim_v (the kernel is the one of the larger): same rule.
