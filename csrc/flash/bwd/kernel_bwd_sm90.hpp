@@ -411,6 +411,13 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
   if constexpr (Traits::kSeparatedO) { pipeline_do.producer_tail(write_state_do); }
 }
 
+// log2 of the dQ accumulator copies a key block chooses among (BwdParams::dq_lanes is 1 or 2; always 1 for kSwapSdP):
+// key block n adds into copy n & dq_lane_bits, and a lane's turns and counters are indexed with it.
+template <class Traits>
+CUTLASS_DEVICE int dq_lane_bits(typename Traits::Params const& params) {
+  return Traits::kSwapSdP ? 0 : params.dq_lanes - 1;
+}
+
 // Deterministic mode: the dQ tile (m_block) of this (sequence, head) takes the sums of the key blocks that see it in
 // decreasing n_block order, in each lane (dq_lanes: key block n adds into copy n % dq_lanes of the accumulator, with
 // a counter of its own); returns that counter and this CTA's turn. Each CTA walks its query blocks upwards from
@@ -425,7 +432,7 @@ CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo co
   // Key blocks past the grid (a max_seqlen_k below a sequence's length, trusted under torch.compile) never run: count
   // turns among the launched ones, so that a wrong maximum drops their sums, as in the default mode, but never hangs.
   // Turns count the launched key blocks above this one in its lane.
-  int const lane_bits = Traits::kSwapSdP ? 0 : params.dq_lanes - 1;  // dq_lanes is 1 or 2 (1 for kSwapSdP)
+  int const lane_bits = dq_lane_bits<Traits>(params);
   turn = (min(n_block_max, int(gridDim.x)) - 1 - n_block) >> lane_bits;
   // One counter per kBlockM rows of the dQ workspace and lane (in bounds wherever the workspace is, whatever
   // max_seqlen says).
@@ -595,7 +602,7 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
   bool const leader = cute::elect_one_sync();
   constexpr bool deterministic = kDeterministic;
   // This key block's copy of the accumulator (dq_lanes), as a row-tile offset in the chunk view.
-  int const lane_bits = (Traits::kSwapSdP || !kDeterministic) ? 0 : params.dq_lanes - 1;  // as in dq_turn
+  int const lane_bits = kDeterministic ? dq_lane_bits<Traits>(params) : 0;
   int const lane_row_tiles = (n_block & lane_bits) * ((params.dq_accum_rows >> lane_bits) / Traits::kDQChunkRows);
   int const num_tiles = params.heads_per_cta * (m_block_max - m_block_min);
   int tile_idx = 0;  // over the CTA's (head, m_block) tiles, the order the consumers take them in
