@@ -56,6 +56,8 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   // Grids cover the longest sequence (seqlen_q/k: the maxima when varlen); blocks past a sequence's end return.
   int const max_rows_q = cute::round_up(p.seqlen_q, kBwdSeqlenQRounding);
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
+  // The softcap consumers run the tanh behind a test of score_scale_log2's bits (bwd_consumer_swapped): nonzero.
+  if (!(scales.score_scale_log2 > 0.f) || __builtin_isinf(scales.score_scale_log2)) { return cudaErrorInvalidValue; }
   int window_left, window_right;
   kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
 
