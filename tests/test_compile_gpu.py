@@ -139,3 +139,24 @@ def test_compile_varlen_fullgraph():
     compiled = torch.compile(f, fullgraph=True)
     assert torch.equal(compiled(q, k, v), f(q, k, v))
 
+
+
+# The exponent's scale times log2(e) reaches the kernels as a float32 that must be normal and positive: the ops
+# themselves reject a softmax_scale that rounds to 0 or a softcap that overflows there (the Python API stops both
+# earlier, with a ValueError), for the forward and the backward alike, before any launch.
+@pytest.mark.parametrize(
+    "scale, softcap, name",
+    [(1e-50, 0.0, "softmax_scale"), (10.0, 2.5e38, "softcap")],
+    ids=["scale-rounds-to-zero", "softcap-overflows"],
+)
+def test_ops_reject_an_exponent_scale_float32_cannot_hold(scale, softcap, name):
+    head_dim, dtype = _built_head_dim()
+    q, k, v = _inputs(1, 64, 64, 2, head_dim, dtype)
+    options = (False, -1, -1, softcap, False)
+    pattern = name + r" times log2\(e\) must be a positive normal float32 value"
+    with pytest.raises(RuntimeError, match=pattern):
+        torch.ops.flash_attn_hopper.fwd(q, k, v, scale, *options)
+    out = torch.randn_like(q)
+    lse = torch.randn(1, 2, 64, device="cuda", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=pattern):
+        torch.ops.flash_attn_hopper.bwd(torch.randn_like(q), q, k, v, out, lse, None, scale, *options)

@@ -208,6 +208,12 @@ ScoreOptions check_score_options(double softmax_scale, bool causal, int64_t wind
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
   TORCH_CHECK(softcap == 0 || std::isnormal(float(softmax_scale / softcap)),
               "softmax_scale / softcap must be a normal float32 value");
+  // The kernels take the exponent's scale (the softcap when there is one) times log2(e) as a float32 that must be
+  // normal and positive (score_scales in flash/common/softmax.hpp; the backward launcher relies on it).
+  double const exp_scale = softcap > 0 ? softcap : softmax_scale;
+  float const exp_scale_log2 = float(double(float(exp_scale)) * M_LOG2E);
+  TORCH_CHECK(std::isnormal(exp_scale_log2) && exp_scale_log2 > 0.f, softcap > 0 ? "softcap" : "softmax_scale",
+              " times log2(e) must be a positive normal float32 value, got ", exp_scale);
   // Sides beyond INT_MAX are unbounded in effect (the kernels clamp to the sequence lengths).
   auto side = [](int64_t w) { return w < 0 || w > INT32_MAX ? -1 : int(w); };
   return {side(window_left), causal ? 0 : side(window_right), float(softcap)};

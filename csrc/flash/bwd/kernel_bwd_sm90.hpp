@@ -757,13 +757,11 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
             for (int r = 0; r < size<0>(dp); ++r) { dp(r, j) = s(r, j) * (dp(r, j) - d); }
           }
         } else {
-          // dS needs tanh' = 1 − t² beside P: t replaces Sᵀ in its registers while the dPᵀ GEMM runs, and P and dS
-          // come in one pass once it is done. ptxas sinks register-only work below a wgmma wait; a branch it cannot
-          // resolve (score_scale_log2 is a positive normal float, run_bwd_sm90) keeps the tanh ahead of it. H200,
-          // 2026-12-02 (session 21 call 2, head_dim 128 bf16 softcap 30, two rounds, before / after): non-causal
-          // 4096 493-500 / 512-514, 16384 522-523 / 537-540, causal 4096 418-427 / 444-451, 1024 within the spread.
-          // The same fence around the dense kernels' exponentials (here and in the forward) lost 1-10 %
-          // (benchmarks/NOTES.md, session 21): there ptxas's order, the dPᵀ (or P V) wait first, is the faster one.
+          // dS needs tanh' = 1 − t² beside P: t replaces Sᵀ in its registers while the dPᵀ GEMM runs (+2-6 % at
+          // head_dim 128, benchmarks/NOTES.md session 21), and P and dS come in one pass once it is done. ptxas sinks
+          // register-only work below a wgmma wait; a branch it cannot resolve (score_scale_log2 is positive,
+          // run_bwd_sm90) keeps the tanh ahead of it. The dense exponentials stay where ptxas puts them: ahead of the
+          // wait they ran slower (same notes).
           warpgroup_wait<1>();
           if (__float_as_uint(params.score_scale_log2) != 0u) {
             CUTLASS_PRAGMA_UNROLL
