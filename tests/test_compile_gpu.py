@@ -140,7 +140,6 @@ def test_compile_varlen_fullgraph():
     assert torch.equal(compiled(q, k, v), f(q, k, v))
 
 
-
 # The exponent's scale times log2(e) reaches the kernels as a float32 that must be normal and positive: the ops
 # themselves reject a softmax_scale that rounds to 0 or a softcap that overflows there (the Python API stops both
 # earlier, with a ValueError), for the forward and the backward alike, before any launch.
