@@ -10,7 +10,7 @@ constexpr int kFwdPersistentMaxKeyBlocks = 32;
 // 228 KiB per SM (static_assert in FwdKernelTraits):
 //   hdim  64: 192 x 128, 2 stages, 2 Q -> 112 KiB (or 128 x 128, 3 stages -> 128 KiB, chosen per shape: see below)
 //   hdim 128: 128 x 128, 2 stages, 2 Q -> 192 KiB
-//   hdim 256: 128 x  80, 2 stages, 1 Q -> 224 KiB (kBlockN 80 is the largest multiple of 16 that fits)
+//   hdim 256: 128 x  64, 2 stages, 1 Q -> 192 KiB (80, the widest that fits, lost to 64 with a causal mask: below)
 // Two consumer warpgroups of 64 query rows each (kBlockM = 128; head_dim 64 also three, below). First configuration
 // (2026-11-29): chosen to fit, not yet tuned by measurement. Every configuration runs the intra-warpgroup overlap
 // (fwd_consumer: QKᵀ of the next block issued before the softmax of this one), which needs S, P and O live at once:
@@ -110,9 +110,17 @@ struct FwdTileConfig<192> {
   static constexpr bool kDocuments = true;
 };
 
+// head_dim 256: kBlockN 64 rather than 80 (the widest that fits). Past what its rows see, a causal tile computes the
+// diagonal's triangle (~64 keys per row) plus the padding of its last key block to a multiple of kBlockN: ~40 keys per
+// row on average with 80-key blocks, none with 64 (128-row tiles end on a multiple of 64); the diagonal also crosses
+// two mask blocks instead of two or three. A key block at head_dim 256 is long enough that the extra block boundaries
+// cost little. H200, 2026-12-02 (session 22 call 3, bf16 TFLOP/s, two
+// rounds, 80 / 64): causal 1024 432-434 / 448-449 (0.97 -> 1.01x cuDNN), 2048 537-539 / 545-550, 4096 596-597 /
+// 606-608, 16384 714-720 / 716 (a 788 outlier); non-causal 1024 645-648 / 645-647, 4096 723-726 / 718-727, 16384
+// 747-755 / 753.
 template <>
 struct FwdTileConfig<256> {
-  static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
+  static constexpr int kBlockM = 128, kBlockN = 64, kStages = 2;
   static constexpr bool kPersistent = false;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
