@@ -245,6 +245,8 @@ def attention(
         deterministic: keyword-only bool; if True the backward adds the partial sums of dQ (and, with GQA, of dK
             and dV) in a fixed order, so repeated backward passes give bitwise-identical gradients (at some cost in
             speed); if False (default) they are added as they finish and the last bits may differ between runs.
+            Under ``torch.use_deterministic_algorithms(True)`` the backward is deterministic whatever this says, as
+            PyTorch's own operators pick their deterministic implementation in that mode.
         document_ids: keyword-only, None or an integer tensor ``(batch, seqlen)`` on q's device, for several
             sequences packed into each row (self-attention: seqlen_q == seqlen_k == seqlen). Each run of equal
             consecutive ids is one document, and query i sees key j only when both are in the same run (on top of
@@ -293,6 +295,8 @@ def attention(
             if len(_CHECKED_CALLS) >= _CHECKED_CALLS_MAX:
                 _CHECKED_CALLS.clear()
             _CHECKED_CALLS[key] = args
+    if not args[-1] and torch.are_deterministic_algorithms_enabled():
+        args = (*args[:-1], True)  # outside the cache: the global mode may change between calls
     doc_bounds = None if document_ids is None else _document_bounds(document_ids, compiling)
     # The registered op (its autograd formula is in C++, its fake kernel in _ops.py): one graph node under
     # torch.compile, and in eager mode no Python between the forward and the backward kernels.
@@ -550,7 +554,8 @@ def attention_varlen(
     causal = _check_causal(causal)
     window_left, window_right = _check_window(window_size, causal)
     softcap = _check_softcap(softcap, softmax_scale)
-    deterministic = _check_bool("deterministic", deterministic)
+    # torch.use_deterministic_algorithms(True) turns the deterministic backward on (as ``attention``).
+    deterministic = _check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     _check_cu_seqlens_meta("cu_seqlens_q", cu_seqlens_q, q)

@@ -74,6 +74,40 @@ def test_deterministic_varlen():
     _assert_identical(_repeat_grads(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)), "varlen")
 
 
+def test_torch_deterministic_mode_turns_it_on():
+    """Under torch.use_deterministic_algorithms(True), deterministic=False (the default) still runs the deterministic
+    backward, as PyTorch's own operators pick their deterministic implementation in that mode: dense GQA and varlen
+    gradients bitwise equal to those of deterministic=True outside the mode, and no operator of the library raises
+    for lack of a deterministic implementation. With 6 key blocks per query block, the default mode's atomic sums
+    would differ from the fixed order in some last bits."""
+    dtype = _built_dtype(128)
+    _require_built(128, dtype)
+    q, dout = (_randn(2, 700, 4, 128, dtype=dtype) for _ in range(2))
+    k, v = (_randn(2, 700, 2, 128, dtype=dtype) for _ in range(2))
+    lengths = [300, 0, 700, 77]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    packed = [t.reshape(-1, *t.shape[2:])[: sum(lengths)] for t in (q, k, v, dout)]
+
+    def grads(det, varlen):
+        if varlen:
+            leaves = [t.detach().requires_grad_(True) for t in packed[:3]]
+            out = attention_varlen(*leaves, cu, cu, max(lengths), max(lengths), causal=True, deterministic=det)
+            return torch.autograd.grad(out, leaves, packed[3])
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        return torch.autograd.grad(attention(*leaves, causal=True, deterministic=det), leaves, dout)
+
+    for varlen in (False, True):
+        expected = grads(True, varlen)
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            got = grads(False, varlen)
+        finally:
+            torch.use_deterministic_algorithms(was)
+        for gname, a, b in zip(("dq", "dk", "dv"), got, expected):
+            assert torch.equal(a, b), f"varlen={varlen}: {gname} under torch's deterministic mode differs"
+
+
 def test_default_mode_is_the_same_math():
     """deterministic=True changes the order of the sums only: within the reference rule of the default mode's result."""
     dtype = _built_dtype(128)
