@@ -97,7 +97,7 @@ def _extension():
         "-lineinfo",
         "--expt-relaxed-constexpr",
         "--expt-extended-lambda",
-        # WGMMA tile widths that are not powers of two (N = 80 for head_dim 256's kBlockN).
+        # WGMMA tile widths that are not powers of two (N = 112 for head_dim 192's kBlockN).
         "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
         "-Xptxas=-v" if os.environ.get("FAH_PTXAS_VERBOSE") else "",
         "--resource-usage" if os.environ.get("FAH_PTXAS_VERBOSE") else "",

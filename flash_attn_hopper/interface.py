@@ -246,7 +246,8 @@ def attention(
             and dV) in a fixed order, so repeated backward passes give bitwise-identical gradients (at some cost in
             speed); if False (default) they are added as they finish and the last bits may differ between runs.
             Under ``torch.use_deterministic_algorithms(True)`` the backward is deterministic whatever this says, as
-            PyTorch's own operators pick their deterministic implementation in that mode.
+            PyTorch's own operators pick their deterministic implementation in that mode; the mode is read when this
+            forward runs, and its backward follows that choice.
         document_ids: keyword-only, None or an integer tensor ``(batch, seqlen)`` on q's device, for several
             sequences packed into each row (self-attention: seqlen_q == seqlen_k == seqlen). Each run of equal
             consecutive ids is one document, and query i sees key j only when both are in the same run (on top of

@@ -201,7 +201,8 @@ def test_tile_math_small(block_m, block_n, causal):
         (192, 128, 1000, 1000, (-1, 0)),
         (192, 128, 300, 1000, (64, -1)),
         (64, 128, 513, 700, (128, 0)),  # the head_dim 128 backward's tiles
-        (128, 80, 300, 100, (20, 1000)),  # head_dim 256 forward, window wider than the sequence
+        (128, 64, 300, 100, (20, 1000)),  # head_dim 256 forward, window wider than the sequence
+        (128, 112, 300, 100, (20, 1000)),  # head_dim 192 forward
         (128, 128, 700, 513, (0, 0)),
         (64, 64, 1000, 1000, (-1, 5)),
     ],
@@ -230,7 +231,7 @@ def test_tile_math_documents(block_m, block_n, causal):
         _check(block_m, block_n, len(ids), len(ids), window, causal, ids)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(128, 128), (192, 128), (64, 128), (128, 80)])
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (192, 128), (64, 128), (128, 64), (128, 112)])
 def test_tile_math_documents_kernel_tiles(block_m, block_n):
     for lengths, window, causal in [([300, 1, 212, 500], (-1, -1), True), ([77, 600, 130, 5], (-1, -1), False),
                                     ([1000], (-1, -1), True), ([129, 128, 127, 640], (100, 0), True)]:

@@ -70,9 +70,9 @@ def spy(monkeypatch):
     calls = []
 
     def fake_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0,
-                       document_ids=None):
+                       document_ids=None, deterministic=False):
         calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                          softcap=softcap, document_ids=document_ids))
+                          softcap=softcap, document_ids=document_ids, deterministic=deterministic))
         if fake_attention.fail:
             raise _KernelReached("the kernel entry point was reached")
         return torch.zeros_like(q)
@@ -299,6 +299,24 @@ def test_sliding_window_and_softcap_reach_the_kernel(fah_tf, spy):
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="sliding_window"):
             fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, sliding_window=bad)
+
+
+@requires_transformers
+def test_deterministic_reaches_the_kernel(fah_tf, spy, monkeypatch):
+    """As transformers' flash-attention path: a ``deterministic`` keyword, else FLASH_ATTENTION_DETERMINISTIC=1 (which
+    transformers' enable_full_determinism sets), turns on the deterministic backward; by default it stays off."""
+    spy.fail = False
+    q, k, v = _qkv()
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None)
+    assert spy.calls[-1]["deterministic"] is False
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, deterministic=True)
+    assert spy.calls[-1]["deterministic"] is True
+    monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None)
+    assert spy.calls[-1]["deterministic"] is True
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, deterministic=False)
+    assert spy.calls[-1]["deterministic"] is False
 
 
 @requires_transformers

@@ -693,6 +693,48 @@ def test_checked_call_cache_never_skips_a_check(monkeypatch):
     assert len(interface._CHECKED_CALLS) == 1
 
 
+def test_torch_deterministic_mode_reaches_the_op_per_call(monkeypatch):
+    """torch.use_deterministic_algorithms(True) turns on the deterministic backward of attention and attention_varlen
+    (the op's last scalar argument), call by call: the checked-call cache must not keep the mode of the call that
+    filled it, and an explicit deterministic=True stays on outside the mode. Meta tensors stand in for CUDA ones; the
+    device checks, the extension check and the ops are replaced (the op records its deterministic argument)."""
+    import types
+
+    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
+    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
+    monkeypatch.setattr(interface, "_check_compiled", lambda *a: None)
+    monkeypatch.setattr(interface._ops, "require_extension", lambda: None)
+    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
+    monkeypatch.setattr(interface, "_capturing", lambda device: False)
+    monkeypatch.setattr(interface, "_cu_seqlens_summary", lambda name, cu: (0, 33, 33))
+    seen = []
+
+    def op(q, k, v, *args):
+        seen.append(args[-2] if isinstance(args[-1], (torch.Tensor, type(None))) else args[-1])
+        return q, torch.empty(0)
+
+    monkeypatch.setattr(torch.ops.flash_attn_hopper, "fwd", types.SimpleNamespace(default=op), raising=False)
+    monkeypatch.setattr(torch.ops.flash_attn_hopper, "fwd_varlen", types.SimpleNamespace(default=op), raising=False)
+    q, k, v = (torch.empty(1, 33, 4, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 33], dtype=torch.int32).to("meta")
+    calls = [
+        lambda det: attention(q, k, v, causal=True, deterministic=det),
+        lambda det: interface.attention_varlen(q[0], k[0], v[0], cu, cu, 33, 33, causal=True, deterministic=det),
+    ]
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    for call in calls:
+        seen.clear()
+        call(False)
+        try:
+            torch.use_deterministic_algorithms(True)
+            call(False)
+        finally:
+            torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        call(False)
+        call(True)
+        assert seen == [False, True, False, True]
+
+
 # ------------------------------------------------------------------------------------------------- document_ids
 
 

@@ -111,9 +111,10 @@ struct FwdTileConfig<192> {
 };
 
 // head_dim 256: kBlockN 64 rather than 80 (the widest that fits). Past what its rows see, a causal tile computes the
-// diagonal's triangle (~64 keys per row) plus the padding of its last key block to a multiple of kBlockN: ~40 keys per
-// row on average with 80-key blocks, none with 64 (128-row tiles end on a multiple of 64); the diagonal also crosses
-// two mask blocks instead of two or three. A key block at head_dim 256 is long enough that the extra block boundaries
+// diagonal's triangle (~64 keys per row) plus the padding of its last key block to a multiple of kBlockN: 0, 16, 32,
+// 48 or 64 keys per row with 80-key blocks (~32 on average; 5.6 % of the computed pairs at seqlen 1024), none with 64
+// when seqlen_k - seqlen_q is a multiple of 64 (128-row tiles end on a multiple of 64); the diagonal also crosses two
+// mask blocks instead of two or three. A key block at head_dim 256 is long enough that the extra block boundaries
 // cost little. H200, 2026-12-02 (session 22 call 3, bf16 TFLOP/s, two
 // rounds, 80 / 64): causal 1024 432-434 / 448-449 (0.97 -> 1.01x cuDNN), 2048 537-539 / 545-550, 4096 596-597 /
 // 606-608, 16384 714-720 / 716 (a 788 outlier); non-causal 1024 645-648 / 645-647, 4096 723-726 / 718-727, 16384

@@ -35,6 +35,8 @@ Everything else raises a Python exception, naming what is unsupported, before an
 Tested with transformers 5.17.0. This module imports transformers; ``import flash_attn_hopper`` does not.
 """
 
+import os
+
 import torch
 
 try:
@@ -120,7 +122,9 @@ def flash_attn_hopper_attention_forward(
             causal kernel, plus a bounds read per tile). Against cached keys (decoding) position_ids are not used,
             as in transformers. ``s_aux`` and
             ``position_bias`` must be None. ``output_attentions=True`` is ignored with a warning (no attention weights
-            are formed). Other keyword arguments (``use_cache``, ...) are ignored.
+            are formed). ``deterministic`` (else the environment variable ``FLASH_ATTENTION_DETERMINISTIC=1``, as
+            transformers' flash-attention path reads them): the deterministic backward. Other keyword arguments
+            (``use_cache``, ...) are ignored.
 
     Returns:
         ``(attn_output, None)``: ``attn_output`` of shape ``(batch, seqlen_q, nheads, head_dim_v)`` in the compute dtype
@@ -192,6 +196,12 @@ def flash_attn_hopper_attention_forward(
             raise ValueError(f"{_where(module)}: sliding_window must be an int >= 1, got {sliding_window!r}")
         window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
     options = dict(softmax_scale=scaling, causal=causal, window_size=window_size, softcap=0.0 if softcap is None else softcap)
+    # transformers' flash-attention path: a ``deterministic`` keyword, else FLASH_ATTENTION_DETERMINISTIC=1.
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+    if deterministic is not False:
+        options["deterministic"] = deterministic
     # (batch, nheads, seqlen, head_dim) -> (batch, seqlen, nheads, head_dim): a view; the kernel reads these strides.
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if packed is not None:  # one row of packed sequences: (total, nheads, head_dim) views of it

@@ -89,7 +89,7 @@ struct FwdKernelTraits {
                                                                                  Int<kBlockM>, Int<kHeadDim>>());
   // Epilogue through shared memory and a TMA store. Each warpgroup's 64 rows are one contiguous SmemLayoutOWG block
   // (rows contiguous within a swizzle atom's width, so a TMA box spans all 64), stored by that warpgroup alone.
-  // Persistent configurations have a buffer for O; with one CTA per tile (head_dim 192, 256: no shared memory left) O
+  // Persistent configurations have a buffer for O; with one CTA per tile (head_dim 192, 256: no room for one) O
   // takes the Q buffer, whose layout is then the same blocks, so that a warpgroup's O overwrites only its own rows of
   // Q while the other may still be reading its own (a one-CTA-per-tile configuration with three consumers has no place
   // for O: static_assert below). It replaced 32 direct 4-byte stores per thread, each warp instruction touching 8
@@ -129,7 +129,8 @@ struct FwdKernelTraits {
   // Shared-memory slots for the fixed-maximum softcap's per-row rounding sums (OnlineSoftmax::add_rounding), out of
   // the main loop's registers. H200, 2026-12-01 (session 19 call 1, bf16 softcap 30, means of two rounds, against
   // registers): head_dim 128 -0.6 to +1.2 %, causal 4096 +5 %; head_dim 64 -4.5 % at 16384 (its 192-row tile spills
-  // either way), so it keeps registers; head_dim 192 and 256 have no shared memory left.
+  // either way), so it keeps registers; head_dim 192 and 256 (untried; 256 has had the room since its 64-key blocks)
+  // keep registers too.
   static constexpr int kRoundingSlots = (kHeadDim > 64 && kHeadDim <= 128) ? 2 * NumMmaThreads : 0;
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q[kQBuffers];
