@@ -95,14 +95,14 @@ def reference_kernel(monkeypatch, allow_float32):
     """Replaces the kernel entry point with the differentiable float32 reference of the same contract."""
 
     def ref_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0,
-                      document_ids=None):
+                      document_ids=None, deterministic=False):
         assert q.dtype == k.dtype == v.dtype
         out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                softcap=softcap, document_ids=document_ids)
         return out.to(q.dtype)
 
     def ref_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), softcap=0.0, return_lse=False):
+                             window_size=(-1, -1), softcap=0.0, return_lse=False, deterministic=False):
         assert q.dim() == 3 and cu_q.dtype == torch.int32 and max(cu_q.diff().tolist(), default=0) <= max_q
         out, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
                                       window_size=window_size, softcap=softcap)

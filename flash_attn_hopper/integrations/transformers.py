@@ -195,13 +195,12 @@ def flash_attn_hopper_attention_forward(
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"{_where(module)}: sliding_window must be an int >= 1, got {sliding_window!r}")
         window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    options = dict(softmax_scale=scaling, causal=causal, window_size=window_size, softcap=0.0 if softcap is None else softcap)
-    # transformers' flash-attention path: a ``deterministic`` keyword, else FLASH_ATTENTION_DETERMINISTIC=1.
+    # deterministic as transformers' flash-attention path takes it: the keyword, else FLASH_ATTENTION_DETERMINISTIC=1.
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
         deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
-    if deterministic is not False:
-        options["deterministic"] = deterministic
+    options = dict(softmax_scale=scaling, causal=causal, window_size=window_size,
+                   softcap=0.0 if softcap is None else softcap, deterministic=deterministic)
     # (batch, nheads, seqlen, head_dim) -> (batch, seqlen, nheads, head_dim): a view; the kernel reads these strides.
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if packed is not None:  # one row of packed sequences: (total, nheads, head_dim) views of it
