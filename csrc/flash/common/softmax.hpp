@@ -35,7 +35,8 @@ inline ScoreScales score_scales(float softmax_scale, float softcap) {
 // on boundary key blocks (add_rounding).
 // scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
 // one FFMA per element.
-template <int kRows>
+// kChains: independent dependency chains per row for the max and sum reductions (FwdKernelTraits::kSoftmaxChains).
+template <int kRows, int kChains = 1>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
@@ -49,6 +50,56 @@ struct OnlineSoftmax {
     }
   }
 
+  // A thread's part of each row's maximum, in kChains independent chains per row: with one, the compiler keeps a
+  // chain of dependent FMNMX 32 deep per row at kBlockN 128. max is exact in any order, so the result is the same.
+  static_assert(kChains == 1 || kChains == 2 || kChains == 4);
+  template <class TensorRC>
+  CUTLASS_DEVICE static void row_maxima(TensorRC const& s, float (&out)[kRows]) {
+    constexpr int kCols = decltype(size<1>(s))::value;
+    static_assert(kCols % kChains == 0);
+    float part[kRows][kChains];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < kChains; ++c) { part[r][c] = s(r, c); }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = kChains; j < kCols; j += kChains) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kChains; ++c) { part[r][c] = fmaxf(part[r][c], s(r, j + c)); }
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) { out[r] = combine(part[r], [](float a, float b) { return fmaxf(a, b); }); }
+  }
+  template <class Op>
+  CUTLASS_DEVICE static float combine(float const (&part)[kChains], Op op) {
+    if constexpr (kChains == 4) {
+      return op(op(part[0], part[1]), op(part[2], part[3]));
+    } else if constexpr (kChains == 2) {
+      return op(part[0], part[1]);
+    } else {
+      return part[0];
+    }
+  }
+  // Row r's sum over this thread's columns in kChains independent chains (other chain counts change the float32
+  // sum's rounding only).
+  template <class TensorRC>
+  CUTLASS_DEVICE static float row_total(TensorRC const& s, int r) {
+    constexpr int kCols = decltype(size<1>(s))::value;
+    float part[kChains];
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kChains; ++c) { part[c] = s(r, c); }
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = kChains; j < kCols; j += kChains) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < kChains; ++c) { part[c] += s(r, j + c); }
+    }
+    return combine(part, [](float a, float b) { return a + b; });
+  }
+
   // Turns the S tile into unnormalised P in place and returns, warp-uniformly, whether O must be rescaled; `rescale`
   // then holds per row the factor (exp of the old maximum minus the new one; 1 where the row kept its maximum).
   // kLazy (FlashAttention-4's conditional rescaling): the running maximum moves only when a row's new maximum
@@ -59,12 +110,11 @@ struct OnlineSoftmax {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     static_assert(decltype(size<0>(s))::value == kRows);
     bool moved = false;
+    float block_max[kRows];
+    row_maxima(s, block_max);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) { m = fmaxf(m, s(r, j)); }
-      m = quad_max(m);
+      float m = quad_max(fmaxf(row_max[r], block_max[r]));
       // A row with no visible key so far keeps max -inf; subtracting 0 then maps every -inf score to P = 0
       // instead of NaN.
       float m_scaled;
@@ -85,13 +135,9 @@ struct OnlineSoftmax {
         rescale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
         row_max[r] = m;
       }
-      float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -m_scaled));
-        sum += s(r, j);
-      }
-      row_sum[r] = row_sum[r] * rescale[r] + sum;
+      for (int j = 0; j < size<1>(s); ++j) { s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -m_scaled)); }
+      row_sum[r] = row_sum[r] * rescale[r] + row_total(s, r);
     }
     if constexpr (kLazy) {
       return __any_sync(0xffffffffu, moved);
@@ -114,13 +160,9 @@ struct OnlineSoftmax {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -scale_log2));
-        sum += s(r, j);
-      }
-      row_sum[r] += sum;
+      for (int j = 0; j < size<1>(s); ++j) { s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -scale_log2)); }
+      row_sum[r] += row_total(s, r);
     }
   }
   // The fixed maximum leaves a key's P anywhere in [exp(-2c), 1], so rounding P to bf16 for P V changes it, and O

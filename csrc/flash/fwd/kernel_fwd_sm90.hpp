@@ -52,6 +52,21 @@ struct FwdKernelTraits {
   // 1024 +1 %, 4096 -1.5 %, 16384 +1-6 %. Rebuilt at head_dim 64 (four of them) -2.2 to -3.8 % at 1024/4096, +0.8 %
   // at 16384; at head_dim 128 (eight) -2.3 to +0.1 %: so kept live there.
   static constexpr bool kQDescriptorsPerBlock = kHeadDim_ > 128;
+  // kSplitMaskLoop: the key blocks the mask crosses and the interior ones run separate copies of the main loop's
+  // body, the interior one with no mask code (fwd_consumer); kSoftmaxChains: independent chains per row in the
+  // softmax's max and sum (OnlineSoftmax). ptxas, head_dim 64 on 192-row tiles: spills 164/220 B -> 8/28 B (softcap
+  // 300/316 -> 8/28, 284/232 -> 4/4) with none left in the interior loop, 434 instructions per key block there against
+  // 697 for the joint loop (mask path included); head_dim 128: 509 against 762. H200, 2026-12-02 (session 23, bf16
+  // TFLOP/s, rounds of one call each; benchmarks/NOTES.md): head_dim 64 192-row tiles, neither / both, non-causal 4096
+  // 468-471 / 500-501, 16384 491 / 520, causal 16384 461-472 / 482-490 (call 2); head_dim 128, both / chains only,
+  // non-causal 4096 630-641 / 626-632, 16384 646-653 / 626-646, causal 16384 622-641 / 614-627, softcap causal 4096
+  // 448-461 / 424-444, the rest level (call 3); both against neither at head_dim 128 non-causal 16384 666-672 /
+  // 649-658, 1024 620-621 / 624-626 (call 2). Not kept where they lost or gained nothing: head_dim 64's 128-row tiles
+  // (non-causal 1024 426 neither, 414 split, 398-402 both; causal 1024 318 / 310 / 301; call 1), head_dim 192 and
+  // 256 (within -3 to +1 %, call 2).
+  static constexpr bool kNarrow64 = kHeadDim_ == 64 && kBlockM_ == 128;
+  static constexpr bool kSplitMaskLoop = kHeadDim_ <= 128 && !kNarrow64;
+  static constexpr int kSoftmaxChains = kHeadDim_ <= 128 && !kNarrow64 ? 4 : 1;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -391,19 +406,21 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   Tensor tOrO = partition_fragment_C(tiled_mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
   Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kRows = decltype(size<0>(acc_rowcol(tOrO.layout())))::value;
-  OnlineSoftmax<kRows> softmax(params.score_scale_log2);
+  OnlineSoftmax<kRows, Traits::kSoftmaxChains> softmax(params.score_scale_log2);
   auto const window = make_window<kBlockM, kBlockN, Traits::kDocuments>(params, info);
   int interior_lo, interior_hi;
   window.interior_n_blocks(m_block, interior_lo, interior_hi);
   auto boundary = [&](int n_block) { return n_block < interior_lo || n_block >= interior_hi; };  // the mask crosses it
   // Raw S -> the scores the softmax sees: softcap (before the mask, so masked scores stay -inf), then the mask on
   // tiles that cross a boundary.
-  auto prepare_scores = [&](auto& tSrS, int n_block) {
+  // masked: whether the block crosses the mask (boundary(n_block)); a compile-time constant in the main loop where
+  // Traits::kSplitMaskLoop.
+  auto prepare_scores = [&](auto& tSrS, int n_block, auto masked) {
     if constexpr (kSoftcap) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
     }
-    if (boundary(n_block)) { window.apply(tSrS, tScS, m_block, n_block); }
+    if (masked) { window.apply(tSrS, tScS, m_block, n_block); }
   };
   clear(tOrO);
   float rounding_regs[kRows];
@@ -428,10 +445,10 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // P for P V; the fixed-maximum softcap then also keeps, on boundary blocks, what the rounding changed of the row
   // sums (OnlineSoftmax::add_rounding).
-  auto convert_p = [&](auto const& tSrS, auto& tOrP, int n_block) {
+  auto convert_p = [&](auto const& tSrS, auto& tOrP, auto masked) {
     convert_type_into(tSrS, tOrP);
     if constexpr (kFixedMax) {
-      if (boundary(n_block)) { softmax.add_rounding(tSrS, tOrP, rounding, rounding_stride); }
+      if (masked) { softmax.add_rounding(tSrS, tOrP, rounding, rounding_stride); }
     }
   };
 
@@ -469,12 +486,15 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     warpgroup_wait<0>();
     stage_release(ss.pipeline_k, k_state);
     ++k_state;
-    prepare_scores(tSrS, n_block);
+    bool const first_masked = boundary(n_block);
+    prepare_scores(tSrS, n_block, first_masked);
     cute::array<float, kRows> rescale;
     softmax_step(tSrS, rescale);  // O is still zero: nothing to rescale
-    convert_p(tSrS, tOrP, n_block);
+    convert_p(tSrS, tOrP, first_masked);
 
-    for (--n_block; n_block >= n_block_min; --n_block) {
+    // One key block after the first; masked: whether the mask crosses it (boundary), a compile-time constant where
+    // Traits::kSplitMaskLoop, so that the interior blocks run a loop with no mask code (or its live values) in it.
+    auto step = [&](int n_block, auto masked) {
       Tensor tSrS = S();
       stage_wait(ss.pipeline_k, k_state);
       stage_wait(ss.pipeline_v, v_state);
@@ -518,7 +538,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         ++k_state;
         CUTLASS_PRAGMA_UNROLL
         for (int i = kHalf; i < 2 * kHalf; ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
-        if (boundary(n_block)) { window.apply(tSrS, tScS, m_block, n_block); }
+        if (masked) { window.apply(tSrS, tScS, m_block, n_block); }
       } else {
         wgmma</*zero_init=*/true>(tiled_mma_qk, q_operand(), tSrK(_, _, _, k_state.index()), tSrS);
         wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
@@ -526,14 +546,30 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
         stage_release(ss.pipeline_k, k_state);
         ++k_state;
-        prepare_scores(tSrS, n_block);
+        prepare_scores(tSrS, n_block, masked);
       }
       bool const rescale_o = softmax_step(tSrS, rescale);
       warpgroup_wait<0>();  // O and the registers of P are free again
       stage_release(ss.pipeline_v, v_state);
       ++v_state;
       if (rescale_o) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
-      convert_p(tSrS, tOrP, n_block);
+      convert_p(tSrS, tOrP, masked);
+    };
+    // Blocks descend: those at or past interior_hi (the causal diagonal, seqlen_k), then the interior run, then those
+    // below interior_lo (a window's left edge); with no interior run every block is masked.
+    if constexpr (Traits::kSplitMaskLoop) {
+      --n_block;
+      while (n_block >= n_block_min) {
+        if (boundary(n_block)) {
+          step(n_block, cute::true_type{});
+          --n_block;
+        } else {
+          int const n_end = cute::max(interior_lo, n_block_min);
+          for (; n_block >= n_end; --n_block) { step(n_block, cute::false_type{}); }
+        }
+      }
+    } else {
+      for (--n_block; n_block >= n_block_min; --n_block) { step(n_block, boundary(n_block)); }
     }
 
     // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
