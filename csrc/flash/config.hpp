@@ -48,9 +48,10 @@ struct FwdTileConfig<64> {
 };
 
 // head_dim 64, 192 rows: three consumer warpgroups at 160 registers (producer 32), as FlashAttention-3 runs head_dim
-// 64: the exp-bound softmax of one warpgroup hides under two others' GEMMs. The consumers spill (ptxas: 156 B stores,
-// 152 B loads over the kernel's two consumer instances, one per Q buffer; softcap 204/200): the softmax row state and
-// four loop-invariant 64-bit values, reloaded every key block. They still win where they run. A 192-row tile computes
+// 64: the exp-bound softmax of one warpgroup hides under two others' GEMMs. Until session 23 the consumers spilled the
+// softmax row state and four loop-invariant 64-bit values, reloaded every key block (ptxas: 164 B stores, 220 B
+// loads); with the interior key blocks in a loop of their own (FwdKernelTraits::kSplitMaskLoop) 8/28 B remain, none in
+// that loop, and the tiles gained 6 % from 4096 (the costs below predate that). A 192-row tile computes
 // more masked pairs on a causal diagonal and past seqlen_q, so the launcher estimates both: kFwd64WideCost* times the
 // query-key pairs a 192-row tile computes against those of a 128-row tile, per SM (flash/fwd/tile_choice.hpp, which
 // also counts waves of tiles over the SMs). The costs are the measured time per computed pair, 192 over 128 rows
@@ -69,6 +70,11 @@ struct FwdTileConfig<64> {
 // kFwd64WideCostFull 0.88 -> 0.94 puts non-causal 512 and 1024 on 128 rows; the masked cost stands. When the 192-row
 // tiles took the same epilogue (run 4, two rounds: no mask 1024 413-415, 2048 444-446, 4096 459-470, 16384 488;
 // causal 1024 258, 2048 345, 4096 387-390, 16384 457-461), non-causal 1024 became a tie (407 vs 413-415).
+// Re-measured after session 23's loop split (H200, 2026-12-02, call 2, one round, forced 128 / 192): no mask 512
+// 373/394, 1024 425/421, 2048 448/480, 4096 460/493, 16384 464/520 (0.84-0.91 per pair); causal 512 234/187, 1024
+// 315/249, 2048 375/358, 4096 414/415, 16384 453/482 (0.91-0.95). The constants still pick the faster height except at
+// non-causal 512 (192 rows 5 % faster; a lower kFwd64WideCostFull would also move 1024, 1 % slower there) and causal
+// 4096 (a tie), so they stand.
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
   static constexpr bool kPersistent = true;
