@@ -102,9 +102,14 @@ def test_documents_deterministic(head_dim):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_one_document_is_the_plain_kernel(head_dim, causal):
-    """A row that is one document visits the same tiles with the same masks as no documents: bitwise equal results."""
+    """A row that is one document visits the same tiles with the same masks as no documents: bitwise equal results.
+    Documents always run 128-row tiles, so the plain call must too: head_dim 64's 192-row tiles also sum the softmax's
+    rows in another order (FwdKernelTraits::kSoftmaxChains)."""
     dtype = _built_dtype(head_dim)
     q, k, v, _ = _inputs(2, 1013, 1013, 3, 3, head_dim, dtype)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    plain_rows = torch.ops.flash_attn_hopper.fwd_block_m(head_dim, head_dim, 2, 3, 1013, 1013, causal, -1, -1, sms)
+    assert plain_rows == 128, f"this shape's plain call now runs {plain_rows}-row tiles: pick a shape that runs 128"
     ids = torch.full((2, 1013), 7, device="cuda", dtype=torch.int32)
     out, lse = attention(q, k, v, causal=causal, return_lse=True, document_ids=ids)
     ref_out, ref_lse = attention(q, k, v, causal=causal, return_lse=True)

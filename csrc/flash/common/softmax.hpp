@@ -89,6 +89,7 @@ struct OnlineSoftmax {
   template <class TensorRC>
   CUTLASS_DEVICE static float row_total(TensorRC const& s, int r) {
     constexpr int kCols = decltype(size<1>(s))::value;
+    static_assert(kCols % kChains == 0);
     float part[kChains];
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < kChains; ++c) { part[c] = s(r, c); }

@@ -63,7 +63,8 @@ struct FwdKernelTraits {
   // 448-461 / 424-444, the rest level (call 3); both against neither at head_dim 128 non-causal 16384 666-672 /
   // 649-658, 1024 620-621 / 624-626 (call 2). Not kept where they lost or gained nothing: head_dim 64's 128-row tiles
   // (non-causal 1024 426 neither, 414 split, 398-402 both; causal 1024 318 / 310 / 301; call 1), head_dim 192 and
-  // 256 (within -3 to +1 %, call 2).
+  // 256 (within -3 to +1 %, call 2). head_dim 96 (head_dim 128's shape) takes both, unmeasured. Since the split, head_dim
+  // 128's fixed-maximum softcap kernel spills 12/32 B (0 before), reloaded in the masked blocks' copy of the loop only.
   static constexpr bool kNarrow64 = kHeadDim_ == 64 && kBlockM_ == 128;
   static constexpr bool kSplitMaskLoop = kHeadDim_ <= 128 && !kNarrow64;
   static constexpr int kSoftmaxChains = kHeadDim_ <= 128 && !kNarrow64 ? 4 : 1;
@@ -555,8 +556,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       if (rescale_o) { OnlineSoftmax<kRows>::scale_rows(tOrO, rescale); }
       convert_p(tSrS, tOrP, masked);
     };
-    // Blocks descend: those at or past interior_hi (the causal diagonal, seqlen_k), then the interior run, then those
-    // below interior_lo (a window's left edge); with no interior run every block is masked.
+    // Blocks descend: those at or past interior_hi (the causal diagonal or a window's right edge, seqlen_k, a
+    // document's end), then the interior run, then those below interior_lo (a window's left edge, a document's start);
+    // with no interior run every block is masked.
     if constexpr (Traits::kSplitMaskLoop) {
       --n_block;
       while (n_block >= n_block_min) {
