@@ -52,7 +52,7 @@ struct OnlineSoftmax {
 
   // A thread's part of each row's maximum, in kChains independent chains per row: with one, the compiler keeps a
   // chain of dependent FMNMX 32 deep per row at kBlockN 128. max is exact in any order, so the result is the same.
-  static_assert(kChains == 1 || kChains == 2 || kChains == 4);
+  static_assert(kChains == 1 || kChains == 4);
   template <class TensorRC>
   CUTLASS_DEVICE static void row_maxima(TensorRC const& s, float (&out)[kRows]) {
     constexpr int kCols = decltype(size<1>(s))::value;
@@ -78,8 +78,6 @@ struct OnlineSoftmax {
   CUTLASS_DEVICE static float combine(float const (&part)[kChains], Op op) {
     if constexpr (kChains == 4) {
       return op(op(part[0], part[1]), op(part[2], part[3]));
-    } else if constexpr (kChains == 2) {
-      return op(part[0], part[1]);
     } else {
       return part[0];
     }
