@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call within ~7 minutes: the GPU check from a clean build (SASS, tests with a per-test hang guard,
 # benchmark with the feature points), then examples/train_lm.py when TRAIN=1; results within 8 files in $OUT.
+# PYTEST_EXTRA: more pytest arguments (e.g. --ignore of a file left for a second call).
 # (scripts/device_run2.sh adds a build-once smoke test and a persistent vs one-CTA-per-tile forward A/B.)
 set -u
 FINAL=$OUT
 export OUT=/tmp/gc
 mkdir -p $OUT
 rm -f flash_attn_hopper/_C*.so; rm -rf build .fah_build
-PYTEST_ARGS="--timeout 150 --timeout-method thread" timeout ${CHECK_TIMEOUT:-440} bash scripts/gpu_check.sh > /tmp/gpu_check.out 2>&1
+PYTEST_ARGS="--timeout 150 --timeout-method thread ${PYTEST_EXTRA:-}" timeout ${CHECK_TIMEOUT:-440} bash scripts/gpu_check.sh > /tmp/gpu_check.out 2>&1
 echo "gpu_check rc $?"
 tail -n 80 /tmp/gpu_check.out | grep -v "^| dense | \(64\|256\)"
 if [[ ${TRAIN:-0} == 1 ]]; then
