@@ -3,6 +3,9 @@
 # of the first call, the full grid (ours, cuDNN, FA2) with the feature points, an fp16 forward/backward slice, then
 # head_dim 64's 128-row tiles with four K/V stages (.prebuilt/N4, from .prebuilt/pack/p.tar.xz) and without ping-pong
 # against the tree's build, and Nsight Compute of the head_dim 128 backward.
+# In session 24's call 3 the A/B step did not run: `cp` found no .prebuilt/HEAD/_C.abi3.so although the lines above
+# create it (cause not found), so device_env_ab.sh stopped at its first case; the rest of the call ran. The same A/B
+# ran in call 5 from builds carried in the pack (scripts/device_session24d.sh).
 set -u
 export PYTHONUNBUFFERED=1
 ls flash_attn_hopper/_C*.so || exit 1
