@@ -77,3 +77,19 @@ def test_forced_block_m_passes_the_forward_tests(block_m):
     assert r.returncode == 0, tail
     summary = r.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_forward_without_pingpong_passes_the_forward_tests(head_dim):
+    """FAH_FWD_PINGPONG=0 (csrc/api/flash_api.cpp) lets the consumer warpgroups issue their GEMMs without taking
+    turns; head_dim 64's 128-row tiles run that way by configuration (FwdTileConfig64Narrow::kPingpong), the others only
+    under the switch. The forward test files pass with it at each kernel width."""
+    _built_dtype(head_dim)
+    args = ["-q", "-x", "-p", "no:cacheprovider", *FILES]
+    code = PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
+    env = dict(os.environ, FAH_FWD_PINGPONG="0", FAH_TEST_HEAD_DIM=str(head_dim))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0, tail
+    summary = r.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, tail

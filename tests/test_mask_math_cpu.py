@@ -269,27 +269,28 @@ def bwd_workspace_row(cu_seqlens_q, nheads, rows_per_head, batch_idx, bidh, roun
 
 @pytest.mark.parametrize(
     "lengths",
-    [[0, 77, 0, 130, 5], [128] * 5, [1] * 40, [127, 129, 255, 257, 0, 0, 1], [300]],
+    [[0, 77, 0, 130, 5], [128] * 5, [1] * 40, [127, 129, 255, 257, 0, 0, 1], [300], [80, 79, 81, 160]],
 )
-def test_varlen_workspace_regions_disjoint_and_aligned(lengths):
-    """Each sequence's backward workspace region (its rows rounded up to whole 128-row tiles, where the LSE/D bulk
-    copies, the dQ chunks and the postprocess read) starts on a tile, stays inside the head's rows as the host sizes
-    them (csrc/api/flash_api.cpp launch_bwd), and overlaps no other sequence's region; dQ chunks (32 x 128 floats)
-    start on chunk boundaries for head_dim 64 and 128."""
+@pytest.mark.parametrize("rounding,chunk_floats", [(128, {64: 32 * 128, 128: 32 * 128}), (80, {128: 40 * 128})])
+def test_varlen_workspace_regions_disjoint_and_aligned(lengths, rounding, chunk_floats):
+    """Each sequence's backward workspace region (its rows rounded up to whole tiles of `rounding` rows: 128, or 80 for
+    head_dim 128's 80-row tiles; where the LSE/D bulk copies, the dQ chunks and the postprocess read) starts on a tile,
+    stays inside the head's rows as the host sizes them (csrc/api/flash_api.cpp launch_bwd), and overlaps no other
+    sequence's region; dQ chunks (32 x 128 floats, or 40 x 128 at 80 rows) start on chunk boundaries."""
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
     batch, total_q, nheads = len(lengths), cu[-1], 3
-    rows = ceil_div(total_q + batch * 128, 128) * 128
+    rows = ceil_div(total_q + batch * rounding, rounding) * rounding
     for h in range(nheads):
         regions = []
         for b in range(batch):
-            start = bwd_workspace_row(cu, nheads, rows, b, h)
-            size = ceil_div(lengths[b], 128) * 128
-            assert start % 128 == 0
+            start = bwd_workspace_row(cu, nheads, rows, b, h, rounding)
+            size = ceil_div(lengths[b], rounding) * rounding
+            assert start % rounding == 0
             assert h * rows <= start and start + size <= (h + 1) * rows, (b, h, start, size, rows)
-            for head_dim in (64, 128):
-                assert start * head_dim % (32 * 128) == 0
+            for head_dim, floats in chunk_floats.items():
+                assert start * head_dim % floats == 0
             regions.append((start, start + size))
         regions.sort()
         for (a0, a1), (b0, b1) in zip(regions, regions[1:]):

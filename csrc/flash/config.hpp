@@ -45,6 +45,7 @@ struct FwdTileConfig<64> {
   // already spilling consumers, and the non-causal forward at 4096 fell to 0.996x cuDNN from 1.036x (H200,
   // 2026-11-30, session 8 runs 1 and 3, one run each).
   static constexpr bool kDocuments = false;
+  static constexpr bool kPingpong = true;
 };
 
 // head_dim 64, 192 rows: three consumer warpgroups at 160 registers (producer 32), as FlashAttention-3 runs head_dim
@@ -75,11 +76,18 @@ struct FwdTileConfig<64> {
 // 315/249, 2048 375/358, 4096 414/415, 16384 453/482 (0.91-0.95). The constants still pick the faster height except at
 // non-causal 512 (192 rows 5 % faster; a lower kFwd64WideCostFull would also move 1024, 1 % slower there) and causal
 // 4096 (a tie), so they stand.
+// kPingpong (every configuration): the consumer warpgroups take turns at the tensor cores (FlashAttention-3 §3.1;
+// FAH_FWD_PINGPONG=0 turns it off everywhere, for measurements). Off on these 128-row tiles, whose short tiles and
+// exp-bound softmax gain from letting both warpgroups issue freely: H200, 2026-12-02 (session 24 call 5, bf16 TFLOP/s,
+// two rounds, forced 128 rows, on / off): causal 1024 313-315 / 319-321, 4096 403 / 410-413, 2048 367-369 / 367-379;
+// non-causal 1024 424-425 / 429-430 (2048 and 4096, where these tiles do not run without a mask: 442-450 / 440-441,
+// 453-455 / 455).
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
   static constexpr bool kPersistent = true;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
+  static constexpr bool kPingpong = false;  // see above
 };
 constexpr double kFwd64WideCostFull = 0.94;    // no causal mask or window
 constexpr double kFwd64WideCostMasked = 0.95;  // causal or windowed
@@ -93,6 +101,7 @@ struct FwdTileConfig<128> {
   static constexpr bool kPersistent = true;
   static constexpr bool kPersistentUnmasked = true;
   static constexpr bool kDocuments = true;
+  static constexpr bool kPingpong = true;
 };
 
 // head_dim 96 (2026-11-30, session 9): head_dim 128's shape; 144 KiB of shared memory with two Q buffers. Before, 96
@@ -103,6 +112,7 @@ struct FwdTileConfig<96> {
   static constexpr bool kPersistent = true;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
+  static constexpr bool kPingpong = true;
 };
 
 // head_dim 192 (the DeepSeek-style 192 / 128 pair included; session 9): 128 x 112, 2 stages, 1 Q -> 217 KiB (112 is
@@ -114,6 +124,7 @@ struct FwdTileConfig<192> {
   static constexpr bool kPersistent = false;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
+  static constexpr bool kPingpong = true;
 };
 
 // head_dim 256: kBlockN 64 rather than 80 (the widest that fits). Past what its rows see, a causal tile computes the
@@ -131,6 +142,7 @@ struct FwdTileConfig<256> {
   static constexpr bool kPersistent = false;
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
+  static constexpr bool kPingpong = true;
 };
 
 // Backward. kSwapSdP (head_dim <= 128): Sᵀ/dPᵀ per warpgroup of 64 keys, P and dS kept in registers for the
@@ -158,8 +170,42 @@ struct BwdTileConfig {
   static constexpr int kStagesdO = kHeadDim > 128 ? 1 : kStages;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr bool kDKVSplitD = kHeadDim > 128;
-  static_assert(kBwdSeqlenQRounding % kBlockM == 0);
+  static constexpr int kSeqlenQRounding = kBwdSeqlenQRounding;
+  static_assert(kSeqlenQRounding % kBlockM == 0);
 };
+
+// head_dim 128 without a mask (no causal mask, window or documents): 80-row query blocks, as FlashAttention-4's sm90
+// backward runs them. Sᵀ/dPᵀ GEMMs of N = 80 and dK/dV of K = 80 read fewer shared-memory bytes per FLOP than N = 64
+// (the shared-memory pipe, not the tensor pipe, was the busier one at 64 rows: Nsight Compute, session 24), and
+// dQ_tile is computed transposed, dQᵀ = Kᵀ dSᵀ (M = head_dim), since 80 rows are not whole 64-row WGMMA tiles.
+// 24/240 registers (the consumers hold 40 more accumulator values than at 64 rows). Workspaces in tiles of 80 rows.
+// A causal mask keeps 64 rows: an 80-row diagonal block would compute more masked elements.
+struct BwdTileConfig128Rows80 {
+  static constexpr bool kSwapSdP = true;
+  static constexpr int kBlockM = 80, kStages = 2, kStagesdO = 2, kBlockN = 128;
+  static constexpr bool kDKVSplitD = false;
+  static constexpr int kSeqlenQRounding = 80;
+};
+
+// Query rows per backward tile for the kernel of head_dim kernel_head_dim; the host sizes the workspaces by it
+// (bwd_seqlen_q_rounding) and passes it in BwdParams::block_m. full_rows: no causal mask, window or documents.
+// FAH_BWD_BLOCK_M=64 or 80 forces either at head_dim 128, masks or not (tests and A/B runs).
+inline int bwd_block_m(int kernel_head_dim, bool full_rows) {
+  int const base = kernel_head_dim <= 64 ? BwdTileConfig<64>::kBlockM
+                 : kernel_head_dim <= 128 ? BwdTileConfig<128>::kBlockM
+                                          : BwdTileConfig<256>::kBlockM;
+  if (kernel_head_dim <= 64 || kernel_head_dim > 128) { return base; }
+  constexpr int kRows80 = BwdTileConfig128Rows80::kBlockM;
+  if (char const* v = std::getenv("FAH_BWD_BLOCK_M"); v != nullptr) {
+    if (v[0] == '6' && v[1] == '4' && v[2] == 0) { return base; }
+    if (v[0] == '8' && v[1] == '0' && v[2] == 0) { return kRows80; }
+  }
+  return full_rows ? kRows80 : base;
+}
+// Workspace rows (per (batch, head), and per varlen sequence) come in multiples of this for a given block_m.
+inline int bwd_seqlen_q_rounding(int block_m) {
+  return block_m == BwdTileConfig128Rows80::kBlockM ? BwdTileConfig128Rows80::kSeqlenQRounding : kBwdSeqlenQRounding;
+}
 
 // GQA backward: one CTA per (key block, K/V head) runs every query head of the group over its K/V tile, keeping dK/dV
 // in registers across them and storing them once (no fp32 sums of the group's heads, their zero fill and conversion

@@ -100,7 +100,7 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       window_left,
       window_right,
       p.doc_bounds,
-      p.pingpong,
+      p.pingpong && Cfg::kPingpong,
       num_m_blocks,
       int(num_tiles),
       persistent ? p.tile_counter : nullptr,
