@@ -231,7 +231,7 @@ def test_tile_math_documents(block_m, block_n, causal):
         _check(block_m, block_n, len(ids), len(ids), window, causal, ids)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(128, 128), (192, 128), (64, 128), (128, 64), (128, 112)])
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (192, 128), (64, 128), (80, 128), (128, 64), (128, 112)])
 def test_tile_math_documents_kernel_tiles(block_m, block_n):
     for lengths, window, causal in [([300, 1, 212, 500], (-1, -1), True), ([77, 600, 130, 5], (-1, -1), False),
                                     ([1000], (-1, -1), True), ([129, 128, 127, 640], (100, 0), True)]:
@@ -341,7 +341,7 @@ def simulate_deterministic_dq(w, sms, decreasing=True, grid=None):
     return waits
 
 
-@pytest.mark.parametrize("block_m,block_n", [(64, 128), (128, 128), (128, 64), (64, 64)])
+@pytest.mark.parametrize("block_m,block_n", [(64, 128), (80, 128), (128, 128), (128, 64), (64, 64)])
 @pytest.mark.parametrize(
     "seqlen_q,seqlen_k,window,causal",
     [(1024, 1024, (-1, -1), True), (1000, 1300, (-1, -1), True), (1300, 1000, (-1, -1), True),
@@ -370,7 +370,7 @@ def test_deterministic_dq_order_is_deadlock_free_and_lets_causal_run_without_wai
 
 
 
-@pytest.mark.parametrize("block_m,block_n", [(64, 128), (128, 128)])
+@pytest.mark.parametrize("block_m,block_n", [(64, 128), (80, 128), (128, 128)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_deterministic_dq_order_with_documents(block_m, block_n, causal):
     """Deterministic dQ with packed documents: both sides' ranges agree (turn() asserts it) and no order deadlocks."""

@@ -73,7 +73,7 @@ struct BwdParams {
   int heads_per_cta = 1;
 
   // Query rows per tile of the main kernel (flash/config.hpp bwd_block_m): picks head_dim 128's configuration.
-  int block_m;
+  int block_m = 0;  // (0: none chosen; the launcher refuses it)
   // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to bwd_seqlen_q_rounding(block_m):
   // 128, or 80 for 80-row tiles; varlen: per head, each sequence in whole tiles, flash/common/seqlen.hpp
   // bwd_workspace_row):
