@@ -46,16 +46,8 @@ def randn(*shape, dtype):
 
 # ------------------------------------------------------------------ attention runs checked by the rule (head-dim tests)
 
-# The backward's workspaces (fp32 dQ accumulator, LSE in log2, D) hold seqlen_q rounded up to whole tiles: 128 rows,
-# or 80 for head_dim 128's 80-row tiles (csrc/flash/config.hpp kBwdSeqlenQRounding, bwd_seqlen_q_rounding).
-BWD_SEQLEN_Q_ROUNDINGS = (128, 80)
+BWD_SEQLEN_Q_ROUNDING = 128  # csrc/flash/config.hpp kBwdSeqlenQRounding
 GRAD_NAMES = ("dq", "dk", "dv")
-
-
-def bwd_workspace_rows(seqlen_q):
-    """Workspace rows per (batch, head) under each rounding the backward may use (which one depends on the kernel and
-    the mask): poisoning both sizes covers either."""
-    return sorted({-(-seqlen_q // r) * r for r in BWD_SEQLEN_Q_ROUNDINGS})
 
 
 def attention_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, head_dim_v=None):
@@ -73,10 +65,9 @@ def poison_attention_memory(q, v):
     dQ, dK/dV, LSE and the dQ accumulator (the kernel's padded width)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     e = q.element_size()
-    width = kernel_head_dim(max(head_dim, v.shape[-1]), backward=True)
-    workspaces = [batch * nheads * r * n for r in bwd_workspace_rows(seqlen_q) for n in (width * 4, 4)]
+    rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
     poison_allocator(q.numel() * e, batch * seqlen_q * nheads * v.shape[-1] * e, v.numel() * e,
-                     batch * nheads * seqlen_q * 4, *workspaces)
+                     batch * nheads * seqlen_q * 4, rows * kernel_head_dim(max(head_dim, v.shape[-1]), backward=True) * 4, rows * 4)
 
 
 def run_attention(q, k, v, dout, dlse=None, **opts):

@@ -15,7 +15,6 @@ import torch
 from flash_attn_hopper import attention
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads, causal_mask
 from gpu_helpers import built_dtype as _built_dtype
-from gpu_helpers import bwd_workspace_rows as _bwd_workspace_rows
 from gpu_helpers import poison_allocator as _poison_allocator
 from gpu_helpers import randn as _randn
 from gpu_helpers import require_built as _require_built
@@ -27,15 +26,18 @@ DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
 HEAD_DIMS = [64, 128, 256]
 SEQLENS = [(1, 1), (1, 239), (239, 1), (113, 203), (203, 113), (128, 128), (1023, 1024)]
+# The dQ accumulator and the per-row vectors (LSE in log2, D) have seqlen_q rounded up to a multiple of this
+# (csrc/flash/config.hpp, kBwdSeqlenQRounding).
+BWD_SEQLEN_Q_ROUNDING = 128
 GRAD_NAMES = ("dq", "dk", "dv")
 
 
 def _bwd_nbytes(q, k, v):
     """Sizes of what the backward allocates: dQ, dK, dV, the fp32 dQ accumulator, LSE (log2) and dPsum."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
     esize = q.element_size()
-    workspaces = [batch * nheads * r * n for r in _bwd_workspace_rows(seqlen_q) for n in (head_dim * 4, 4, 4)]
-    return (q.numel() * esize, k.numel() * esize, v.numel() * esize, *workspaces)
+    return q.numel() * esize, k.numel() * esize, v.numel() * esize, rows * head_dim * 4, rows * 4, rows * 4
 
 
 def _poison_bwd(q, k, v):
@@ -367,7 +369,7 @@ def test_bwd_peak_memory(record_property):
     q, k, v = (t.requires_grad_(True) for t in _qkv(batch, seqlen, seqlen, nheads, head_dim, dtype))
     dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
     one = q.numel() * q.element_size()  # 64 MiB
-    dq_accum = batch * nheads * max(_bwd_workspace_rows(seqlen)) * head_dim * 4
+    dq_accum = batch * nheads * (-(-seqlen // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING) * head_dim * 4
     need = 8 * one + dq_accum  # q, k, v, out, dO, dQ, dK, dV + dQ accumulator
     # Poison here rather than between forward and backward, so the poisoned blocks do not count in the peak: out
     # and LSE take the first ones, dQ, dK, dV, the accumulator and the row vectors the rest.

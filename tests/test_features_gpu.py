@@ -9,7 +9,6 @@ import torch
 from flash_attn_hopper import attention
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads
 from gpu_helpers import built_dtype as _built_dtype
-from gpu_helpers import bwd_workspace_rows as _bwd_workspace_rows
 from gpu_helpers import poison_allocator as _poison_allocator
 from gpu_helpers import randn as _randn
 from gpu_helpers import require_built as _require_built
@@ -19,6 +18,7 @@ pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
 HEAD_DIMS = [64, 128, 256]
+BWD_SEQLEN_Q_ROUNDING = 128  # csrc/flash/config.hpp
 
 
 def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, scale=1.0):
@@ -31,9 +31,9 @@ def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, scale=
 
 def _poison(q, k):
     batch, seqlen_q, nheads, head_dim = q.shape
+    rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
     e = q.element_size()
-    workspaces = [batch * nheads * r * n for r in _bwd_workspace_rows(seqlen_q) for n in (head_dim * 4, 4)]
-    _poison_allocator(q.numel() * e, k.numel() * e, batch * nheads * seqlen_q * 4, *workspaces)
+    _poison_allocator(q.numel() * e, k.numel() * e, batch * nheads * seqlen_q * 4, rows * head_dim * 4, rows * 4)
 
 
 def _run_and_check(q, k, v, dout, name, dlse=None, **opts):

@@ -231,7 +231,7 @@ def test_tile_math_documents(block_m, block_n, causal):
         _check(block_m, block_n, len(ids), len(ids), window, causal, ids)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(128, 128), (192, 128), (64, 128), (80, 128), (128, 64), (128, 112)])
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (192, 128), (64, 128), (128, 64), (128, 112)])
 def test_tile_math_documents_kernel_tiles(block_m, block_n):
     for lengths, window, causal in [([300, 1, 212, 500], (-1, -1), True), ([77, 600, 130, 5], (-1, -1), False),
                                     ([1000], (-1, -1), True), ([129, 128, 127, 640], (100, 0), True)]:
@@ -269,28 +269,27 @@ def bwd_workspace_row(cu_seqlens_q, nheads, rows_per_head, batch_idx, bidh, roun
 
 @pytest.mark.parametrize(
     "lengths",
-    [[0, 77, 0, 130, 5], [128] * 5, [1] * 40, [127, 129, 255, 257, 0, 0, 1], [300], [80, 79, 81, 160]],
+    [[0, 77, 0, 130, 5], [128] * 5, [1] * 40, [127, 129, 255, 257, 0, 0, 1], [300]],
 )
-@pytest.mark.parametrize("rounding,chunk_floats", [(128, {64: 32 * 128, 128: 32 * 128}), (80, {128: 40 * 128})])
-def test_varlen_workspace_regions_disjoint_and_aligned(lengths, rounding, chunk_floats):
-    """Each sequence's backward workspace region (its rows rounded up to whole tiles of `rounding` rows: 128, or 80 for
-    head_dim 128's 80-row tiles; where the LSE/D bulk copies, the dQ chunks and the postprocess read) starts on a tile,
-    stays inside the head's rows as the host sizes them (csrc/api/flash_api.cpp launch_bwd), and overlaps no other
-    sequence's region; dQ chunks (32 x 128 floats, or 40 x 128 at 80 rows) start on chunk boundaries."""
+def test_varlen_workspace_regions_disjoint_and_aligned(lengths):
+    """Each sequence's backward workspace region (its rows rounded up to whole 128-row tiles, where the LSE/D bulk
+    copies, the dQ chunks and the postprocess read) starts on a tile, stays inside the head's rows as the host sizes
+    them (csrc/api/flash_api.cpp launch_bwd), and overlaps no other sequence's region; dQ chunks (32 x 128 floats)
+    start on chunk boundaries for head_dim 64 and 128."""
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
     batch, total_q, nheads = len(lengths), cu[-1], 3
-    rows = ceil_div(total_q + batch * rounding, rounding) * rounding
+    rows = ceil_div(total_q + batch * 128, 128) * 128
     for h in range(nheads):
         regions = []
         for b in range(batch):
-            start = bwd_workspace_row(cu, nheads, rows, b, h, rounding)
-            size = ceil_div(lengths[b], rounding) * rounding
-            assert start % rounding == 0
+            start = bwd_workspace_row(cu, nheads, rows, b, h)
+            size = ceil_div(lengths[b], 128) * 128
+            assert start % 128 == 0
             assert h * rows <= start and start + size <= (h + 1) * rows, (b, h, start, size, rows)
-            for head_dim, floats in chunk_floats.items():
-                assert start * head_dim % floats == 0
+            for head_dim in (64, 128):
+                assert start * head_dim % (32 * 128) == 0
             regions.append((start, start + size))
         regions.sort()
         for (a0, a1), (b0, b1) in zip(regions, regions[1:]):
@@ -341,7 +340,7 @@ def simulate_deterministic_dq(w, sms, decreasing=True, grid=None):
     return waits
 
 
-@pytest.mark.parametrize("block_m,block_n", [(64, 128), (80, 128), (128, 128), (128, 64), (64, 64)])
+@pytest.mark.parametrize("block_m,block_n", [(64, 128), (128, 128), (128, 64), (64, 64)])
 @pytest.mark.parametrize(
     "seqlen_q,seqlen_k,window,causal",
     [(1024, 1024, (-1, -1), True), (1000, 1300, (-1, -1), True), (1300, 1000, (-1, -1), True),
@@ -370,7 +369,7 @@ def test_deterministic_dq_order_is_deadlock_free_and_lets_causal_run_without_wai
 
 
 
-@pytest.mark.parametrize("block_m,block_n", [(64, 128), (80, 128), (128, 128)])
+@pytest.mark.parametrize("block_m,block_n", [(64, 128), (128, 128)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_deterministic_dq_order_with_documents(block_m, block_n, causal):
     """Deterministic dQ with packed documents: both sides' ranges agree (turn() asserts it) and no order deadlocks."""

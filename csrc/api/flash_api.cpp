@@ -480,17 +480,16 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   int const batch = is_varlen ? varlen.batch : q.size(0);
   int const seqlen_q = is_varlen ? varlen.max_seqlen_q : q.size(1);
   int const seqlen_k = is_varlen ? varlen.max_seqlen_k : k.size(1);
-  // Rows of the kernel's width (that of the larger head dim): the kernels index the dQ accumulator with it.
-  int const kernel_head_dim = padded_head_dim(std::max(head_dim, head_dim_v));
-  bool const full_rows = opts.window_left < 0 && opts.window_right < 0 && docs.bounds == nullptr;
-  int const block_m = flash::bwd_block_m(kernel_head_dim, full_rows);
-  int64_t const kRound = flash::bwd_seqlen_q_rounding(block_m);
+  constexpr int64_t kRound = flash::kBwdSeqlenQRounding;
   // Workspace rows per (batch, head), or per head when varlen (each sequence starting on a whole tile).
   int64_t const rows = is_varlen ? (q.size(1) + int64_t(batch) * kRound + kRound - 1) / kRound * kRound
                                  : (seqlen_q + kRound - 1) / kRound * kRound;
   TORCH_CHECK(rows <= INT32_MAX, "too many query rows for the backward's workspace");
   int64_t const ws_outer = is_varlen ? int64_t(nheads) : int64_t(batch) * nheads;
   auto f32 = q.options().dtype(at::kFloat);
+  // Rows of the kernel's width (that of the larger head dim): the kernels index the dQ accumulator with it.
+  int const kernel_head_dim = padded_head_dim(std::max(head_dim, head_dim_v));
+  bool const full_rows = opts.window_left < 0 && opts.window_right < 0 && docs.bounds == nullptr;
   int const dq_lanes = flash::bwd_dq_lanes(kernel_head_dim, deterministic, full_rows, seqlen_k,
                                            ws_outer * rows * kernel_head_dim * int64_t(sizeof(float)));
   at::Tensor dq_accum = zeroed({dq_lanes * ws_outer, rows, int64_t(kernel_head_dim)}, f32);
@@ -544,7 +543,6 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   p.dv_batch_stride = dv4.stride(0), p.dv_row_stride = dv4.stride(1), p.dv_head_stride = dv4.stride(2);
   p.batch = batch, p.nheads = nheads, p.nheads_k = nheads_k, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
   p.seqlen_q_rounded = int(rows), p.head_dim = head_dim, p.head_dim_v = head_dim_v;
-  p.block_m = block_m;
   if (is_varlen) {
     p.cu_seqlens_q = varlen.cu_seqlens_q, p.cu_seqlens_k = varlen.cu_seqlens_k;
     p.total_q = int(q.size(1)), p.total_k = int(k.size(1));

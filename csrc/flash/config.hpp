@@ -170,42 +170,8 @@ struct BwdTileConfig {
   static constexpr int kStagesdO = kHeadDim > 128 ? 1 : kStages;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr bool kDKVSplitD = kHeadDim > 128;
-  static constexpr int kSeqlenQRounding = kBwdSeqlenQRounding;
-  static_assert(kSeqlenQRounding % kBlockM == 0);
+  static_assert(kBwdSeqlenQRounding % kBlockM == 0);
 };
-
-// head_dim 128 without a mask (no causal mask, window or documents): 80-row query blocks, as FlashAttention-4's sm90
-// backward runs them. Sᵀ/dPᵀ GEMMs of N = 80 and dK/dV of K = 80 read fewer shared-memory bytes per FLOP than N = 64
-// (the shared-memory pipe, not the tensor pipe, was the busier one at 64 rows: Nsight Compute, session 24), and
-// dQ_tile is computed transposed, dQᵀ = Kᵀ dSᵀ (M = head_dim), since 80 rows are not whole 64-row WGMMA tiles.
-// 24/240 registers (the consumers hold 40 more accumulator values than at 64 rows). Workspaces in tiles of 80 rows.
-// A causal mask keeps 64 rows: an 80-row diagonal block would compute more masked elements.
-struct BwdTileConfig128Rows80 {
-  static constexpr bool kSwapSdP = true;
-  static constexpr int kBlockM = 80, kStages = 2, kStagesdO = 2, kBlockN = 128;
-  static constexpr bool kDKVSplitD = false;
-  static constexpr int kSeqlenQRounding = 80;
-};
-
-// Query rows per backward tile for the kernel of head_dim kernel_head_dim; the host sizes the workspaces by it
-// (bwd_seqlen_q_rounding) and passes it in BwdParams::block_m. full_rows: no causal mask, window or documents.
-// FAH_BWD_BLOCK_M=64 or 80 forces either at head_dim 128, masks or not (tests and A/B runs).
-inline int bwd_block_m(int kernel_head_dim, bool full_rows) {
-  int const base = kernel_head_dim <= 64 ? BwdTileConfig<64>::kBlockM
-                 : kernel_head_dim <= 128 ? BwdTileConfig<128>::kBlockM
-                                          : BwdTileConfig<256>::kBlockM;
-  if (kernel_head_dim <= 64 || kernel_head_dim > 128) { return base; }
-  constexpr int kRows80 = BwdTileConfig128Rows80::kBlockM;
-  if (char const* v = std::getenv("FAH_BWD_BLOCK_M"); v != nullptr) {
-    if (v[0] == '6' && v[1] == '4' && v[2] == 0) { return base; }
-    if (v[0] == '8' && v[1] == '0' && v[2] == 0) { return kRows80; }
-  }
-  return full_rows ? kRows80 : base;
-}
-// Workspace rows (per (batch, head), and per varlen sequence) come in multiples of this for a given block_m.
-inline int bwd_seqlen_q_rounding(int block_m) {
-  return block_m == BwdTileConfig128Rows80::kBlockM ? BwdTileConfig128Rows80::kSeqlenQRounding : kBwdSeqlenQRounding;
-}
 
 // GQA backward: one CTA per (key block, K/V head) runs every query head of the group over its K/V tile, keeping dK/dV
 // in registers across them and storing them once (no fp32 sums of the group's heads, their zero fill and conversion

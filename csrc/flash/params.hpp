@@ -72,11 +72,8 @@ struct BwdParams {
   // heads) directly (flash/config.hpp bwd_heads_per_cta).
   int heads_per_cta = 1;
 
-  // Query rows per tile of the main kernel (flash/config.hpp bwd_block_m): picks head_dim 128's configuration.
-  int block_m = 0;  // (0: none chosen; the launcher refuses it)
-  // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to bwd_seqlen_q_rounding(block_m):
-  // 128, or 80 for 80-row tiles; varlen: per head, each sequence in whole tiles, flash/common/seqlen.hpp
-  // bwd_workspace_row):
+  // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to kBwdSeqlenQRounding = 128; varlen:
+  // per head, each sequence in whole tiles, flash/common/seqlen.hpp bwd_workspace_row):
   float* dq_accum_ptr;  // (batch, nheads, seqlen_q_rounded, kHeadDim) fp32, zeroed before the main kernel
   float* lse_log2_ptr;  // (batch, nheads, seqlen_q_rounded): LSE * log2(e); +inf for rows with no key or padding
   float* dpsum_ptr;     // (batch, nheads, seqlen_q_rounded): D = rowsum(dO * O); 0 for padding

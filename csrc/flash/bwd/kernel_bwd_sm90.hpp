@@ -159,38 +159,26 @@ struct BwdTraitsBase {
 // them per column of Sᵀ. dQ_tile goes to shared memory in the accumulator's register order (conflict-free 16-byte
 // stores) and a writer warp adds it into the fp32 workspace with TMA reduce-add, so the consumers issue no atomics;
 // the workspace therefore holds each tile in that register order, which the postprocess undoes.
-// dQ chunks of the kSwapSdP variant: the workspace seen as (rows, 128), boxes of (kBlockM * head_dim / 256, 128)
-// floats (16 KiB at 64 x 128 and 128 x 64, 20 KiB at 80 x 128), one warpgroup's half of a (kBlockM, head_dim) dQ tile
-// in the dQ GEMM's register order (the tiled postprocess undoes it).
-template <int kBlockM, int kHeadDim>
-using BwdSwapDQChunk = Layout<Shape<Int<kBlockM * kHeadDim / 256>, _128>, Stride<_128, _1>>;
+// dQ chunks of the kSwapSdP variant: the workspace seen as (rows, 128), boxes of (32, 128) = 16 KiB, one warpgroup's
+// half of a (kBlockM, head_dim) dQ tile in the dQ GEMM's register order (the tiled postprocess undoes it).
+using BwdSwapDQChunk = Layout<Shape<_32, _128>, Stride<_128, _1>>;
 
-// kSeqlenQRounding: the workspaces' row tiles (BwdTileConfig*). kBlockM not a multiple of 64 (80 at head_dim 128):
-// dQ_tile is computed transposed (kDQSwapAB below).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kSeqlenQRounding_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct BwdSwapKernelTraits
-    : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kStages_,
-                    BwdSwapDQChunk<kBlockM_, kHeadDim_>, 128> {
-  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kStages_,
-                             BwdSwapDQChunk<kBlockM_, kHeadDim_>, 128>;
+    : BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kStages_, BwdSwapDQChunk, 128> {
+  using Base = BwdTraitsBase<Element_, kHeadDim_, kBlockM_, kBlockN_, kStages_, kStages_, BwdSwapDQChunk, 128>;
   using typename Base::Element;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
   static constexpr bool kSwapSdP = true;  // also: LSE/D travel with Q/dO into shared memory
-  static constexpr int kSeqlenQRounding = kSeqlenQRounding_;
-  static_assert(kSeqlenQRounding % kBlockM == 0);
-  // dQᵀ = Kᵀ dSᵀ (M = head_dim split over the warpgroups, N = kBlockM rows) where kBlockM is no whole number of
-  // 64-row WGMMA tiles; else dQ_tile = dS K with the warpgroups splitting head_dim.
-  static constexpr bool kDQSwapAB = kBlockM % 64 != 0;
   // Per consumer thread at head_dim 128: dK + dV 128, Sᵀ + dPᵀ 64, their 16-bit copies 32, dQ 32; at head_dim 64
   // (kBlockM 128): dK + dV 64, Sᵀ + dPᵀ 128, copies 64, dQ 32. Budgets with the fewest spills (2026-11-29):
   // 40/232 leaves head_dim 128 spill-free (24/240 spilled 72 bytes in the producer); head_dim 64 spills ~20
-  // words inside the consumer loop at 232, so it keeps 240; 80 rows at head_dim 128 (Sᵀ + dPᵀ 80, copies 40,
-  // dQ 40) take 240 too.
-  static constexpr int kProducerRegs = kHeadDim <= 64 || kDQSwapAB ? 24 : 40;
-  static constexpr int kConsumerRegs = kHeadDim <= 64 || kDQSwapAB ? 240 : 232;
+  // words inside the consumer loop at 232, so it keeps 240.
+  static constexpr int kProducerRegs = kHeadDim <= 64 ? 24 : 40;
+  static constexpr int kConsumerRegs = kHeadDim <= 64 ? 240 : 232;
   static_assert(register_budget_fits<Base::NumThreads, kProducerRegs, kConsumerRegs>());
   static_assert(kBlockN == 64 * Base::NumMmaWarpGroups, "each warpgroup owns 64 keys");
-  static_assert((kDQSwapAB ? kBlockM % 16 == 0 && kHeadDim == 128 : kBlockM % 64 == 0) && kHeadDim <= 128);
+  static_assert(kBlockM % 64 == 0 && kHeadDim <= 128);
 
   // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: (M = kBlockN keys, N = kBlockM rows, K = head_dim), warpgroups split M.
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -201,26 +189,11 @@ struct BwdSwapKernelTraits
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
-  // dQ_tile = dS K: (M = kBlockM rows, N = head_dim, K = kBlockN keys), warpgroups split N; or (kDQSwapAB)
-  // dQᵀ = Kᵀ dSᵀ: (M = head_dim, N = kBlockM rows, K = kBlockN keys), warpgroups split M. Either way each warpgroup
-  // holds kBlockM x head_dim / 2 values of dQ_tile.
-  static auto make_tiled_mma_dq() {  // (only the chosen form is instantiated)
-    if constexpr (kDQSwapAB) {
-      return make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kBlockN>>, GMMA::Major::MN,
-                               GMMA::Major::K>(),
-          Layout<Shape<_2, _1, _1>>{});
-    } else {
-      return make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
-                               GMMA::Major::K, GMMA::Major::MN>(),
-          Layout<Shape<_1, _2, _1>>{});
-    }
-  }
-  using TiledMmadQ = decltype(make_tiled_mma_dq());
-  // The dQ GEMM's (M, N) tile shape: its accumulator's coordinates are (row, column) of dQ_tile, or (kDQSwapAB)
-  // (column, row).
-  using ShapeDQAcc = std::conditional_t<kDQSwapAB, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  // dQ_tile = dS K: (M = kBlockM rows, N = head_dim, K = kBlockN keys), warpgroups split N.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
 
   // dS: (kBlockM, kBlockN, 2 buffers), keys contiguous (K-major A operand of dQ); written through the transposed
   // view from the dSᵀ accumulator layout.
@@ -277,8 +250,6 @@ struct BwdKernelTraits
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kStages;
   static_assert(Base::kSeparatedO, "Q and dO have separate pipelines here");
   static constexpr bool kSwapSdP = false;
-  static constexpr int kSeqlenQRounding = kBwdSeqlenQRounding;
-  static_assert(kSeqlenQRounding % kBlockM == 0);
   static constexpr bool kDKVSplitD = kDKVSplitD_;
   // setmaxnreg budgets, 24/240 or 56/224 (x 128 + x 256 = 64512 of the 65536 registers per SM), whichever spilled
   // least on 2026-11-29: head_dim 128 spilled ~16 words inside the consumer loop at 56/224 and a few loop-invariant
@@ -426,7 +397,7 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
       }
       if constexpr (Traits::kSwapSdP) {
         // LSE_log2 and D of the tile's rows (workspace rows come in whole tiles, so every tile is whole).
-        int64_t const row0 = bwd_workspace_row<Traits::kSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+        int64_t const row0 = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                      params.seqlen_q_rounded, info.batch_idx, bidh) +
                              m_block * kBlockM;
         int const off = write_state.index() * kBlockM;
@@ -465,7 +436,7 @@ CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo co
   turn = (min(n_block_max, int(gridDim.x)) - 1 - n_block) >> lane_bits;
   // One counter per kBlockM rows of the dQ workspace and lane (in bounds wherever the workspace is, whatever
   // max_seqlen says).
-  int64_t const row = bwd_workspace_row<Traits::kSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+  int64_t const row = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                params.seqlen_q_rounded, info.batch_idx, bidh);
   return params.dq_semaphore + ((row / Traits::kBlockM + m_block) << lane_bits) + (n_block & lane_bits);
 }
@@ -636,7 +607,7 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
   int const num_tiles = params.heads_per_cta * (m_block_max - m_block_min);
   int tile_idx = 0;  // over the CTA's (head, m_block) tiles, the order the consumers take them in
   for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {
-    int64_t const row_base = bwd_workspace_row<Traits::kSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+    int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                      params.seqlen_q_rounded, info.batch_idx, bidh);
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
       int* sem = nullptr;
@@ -724,15 +695,8 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
   Tensor tdPrdO = thr_mma_sdp.partition_fragment_B(sdO);    // (MMA, MMA_N, MMA_K, stages)
   Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stages)
   Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt);    // (MMA, MMA_N, MMA_K, stages)
-  // dQ's operands: dS (A) and Kᵀ (B), or (kDQSwapAB) Kᵀ (A) and dS read as dSᵀ's K-major B.
-  auto tdQrdS = [&] {
-    if constexpr (Traits::kDQSwapAB) { return thr_mma_dq.partition_fragment_B(sdS); }  // (MMA, MMA_N, MMA_K, 2)
-    else { return thr_mma_dq.partition_fragment_A(sdS); }                              // (MMA, MMA_M, MMA_K, 2)
-  }();
-  auto tdQrKt = [&] {
-    if constexpr (Traits::kDQSwapAB) { return thr_mma_dq.partition_fragment_A(sKt); }  // (MMA, MMA_M, MMA_K)
-    else { return thr_mma_dq.partition_fragment_B(sKt); }                              // (MMA, MMA_N, MMA_K)
-  }();
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, 2)
+  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);     // (MMA, MMA_N, MMA_K)
 
   // dSᵀ registers -> dS in shared memory: transposing stmatrix, in the Sᵀ accumulator's thread layout.
   auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, tiled_mma_sdp);
@@ -753,7 +717,7 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
   int const warpgroup = mma_tidx / cutlass::NumThreadsPerWarpGroup;
   int const wg_tidx = mma_tidx % cutlass::NumThreadsPerWarpGroup;
   float* sdq_chunk = ss.smem_dq.data() + warpgroup * Traits::kDQChunkFloats;
-  static_assert(decltype(size(partition_fragment_C(tiled_mma_dq, typename Traits::ShapeDQAcc{})))::value *
+  static_assert(decltype(size(partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{})))::value *
                     cutlass::NumThreadsPerWarpGroup == Traits::kDQChunkFloats);
 
   if (m_block_max > m_block_min) {
@@ -828,12 +792,8 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
         consumers_sync();
 
-        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, typename Traits::ShapeDQAcc{});
-        if constexpr (Traits::kDQSwapAB) {
-          wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrKt, tdQrdS(_, _, _, ds_buf), tdQrdQ);
-        } else {
-          wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buf), tdQrKt, tdQrdQ);
-        }
+        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        wgmma</*zero_init=*/true>(tiled_mma_dq, tdQrdS(_, _, _, ds_buf), tdQrKt, tdQrdQ);
         wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdS, tdKrQt(_, _, _, stage), tdKrdK);
         warpgroup_wait<1>();  // dV and dQ_tile done; dK still running
         warpgroup_fence_operand(tdVrP);  // registers read by an in-flight WGMMA must stay untouched until now
@@ -939,7 +899,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
     typename Traits::PipelineState prev_read_state;  // kDQPass1InQ: the Q stage still held for the writer
     typename Traits::PipelinedOState read_state_do;
     for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {  // the CTA's query heads
-      int64_t const row_base = bwd_workspace_row<Traits::kSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
+      int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
                                                                        params.seqlen_q_rounded, info.batch_idx, bidh);
       float const* lse_log2 = params.lse_log2_ptr + row_base;
       float const* dpsum = params.dpsum_ptr + row_base;

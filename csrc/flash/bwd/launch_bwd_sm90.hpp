@@ -18,15 +18,12 @@
 
 namespace flash {
 
-// One tile configuration (BwdTileConfig<kHeadDim> or BwdTileConfig128Rows80); p.block_m must be its kBlockM.
-template <class Element, int kHeadDim, class Cfg>
-cudaError_t run_bwd_sm90_cfg(BwdParams const& p, cudaStream_t stream) {
+template <class Element, int kHeadDim>
+cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
+  using Cfg = BwdTileConfig<kHeadDim>;
   using Traits = std::conditional_t<
-      Cfg::kSwapSdP,
-      BwdSwapKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kSeqlenQRounding>,
+      Cfg::kSwapSdP, BwdSwapKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages>,
       BwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kStagesdO, Cfg::kDKVSplitD>>;
-  constexpr int kRound = Traits::kSeqlenQRounding;
-  if (p.block_m != Cfg::kBlockM || bwd_seqlen_q_rounding(p.block_m) != kRound) { return cudaErrorInvalidValue; }
   // Any head_dim that is a multiple of 8 up to the tile width (as the forward): Q, dO, K, V columns past it load as
   // zeros, so the padded columns of dQ, dK, dV are zeros too, and they are never stored to the caller's tensors.
   // V, O, dO, dV have their own head_dim_v (the kernel is the one of the larger): same rule.
@@ -51,13 +48,13 @@ cudaError_t run_bwd_sm90_cfg(BwdParams const& p, cudaStream_t stream) {
   // The workspaces' rows: whole tiles of every kBlockM (bulk copies of LSE/D, dQ chunks, postprocess grid); varlen
   // sequences each start on a tile (flash/common/seqlen.hpp), which needs up to one tile more per sequence.
   bool const varlen = p.cu_seqlens_q != nullptr;
-  int64_t const min_rows = varlen ? int64_t(p.total_q) + int64_t(p.batch) * kRound : p.seqlen_q;
-  if (varlen != (p.cu_seqlens_k != nullptr) || p.seqlen_q_rounded < min_rows || p.seqlen_q_rounded % kRound != 0 ||
-      !(p.softcap >= 0.f)) {
+  int64_t const min_rows = varlen ? int64_t(p.total_q) + int64_t(p.batch) * kBwdSeqlenQRounding : p.seqlen_q;
+  if (varlen != (p.cu_seqlens_k != nullptr) || p.seqlen_q_rounded < min_rows ||
+      p.seqlen_q_rounded % kBwdSeqlenQRounding != 0 || !(p.softcap >= 0.f)) {
     return cudaErrorInvalidValue;
   }
   // Grids cover the longest sequence (seqlen_q/k: the maxima when varlen); blocks past a sequence's end return.
-  int const max_rows_q = cute::round_up(p.seqlen_q, kRound);
+  int const max_rows_q = cute::round_up(p.seqlen_q, kBwdSeqlenQRounding);
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
   // The softcap consumers run the tanh behind a test of score_scale_log2's bits (bwd_consumer_swapped): nonzero.
   if (!(scales.score_scale_log2 > 0.f) || __builtin_isinf(scales.score_scale_log2)) { return cudaErrorInvalidValue; }
@@ -66,7 +63,7 @@ cudaError_t run_bwd_sm90_cfg(BwdParams const& p, cudaStream_t stream) {
 
   {
     dim3 grid(cute::ceil_div(max_rows_q, preprocess_rows_per_block<kHeadDim>()), p.nheads, p.batch);
-    flash_bwd_preprocess_kernel<Element, kHeadDim, kRound><<<grid, kPreprocessThreads, 0, stream>>>(p);
+    flash_bwd_preprocess_kernel<Element, kHeadDim><<<grid, kPreprocessThreads, 0, stream>>>(p);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) { return err; }
   }
@@ -189,17 +186,6 @@ cudaError_t run_bwd_sm90_cfg(BwdParams const& p, cudaStream_t stream) {
     flash_bwd_postprocess_kernel<Element, kHeadDim><<<grid, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
-}
-
-// The configuration the host sized the workspaces for (p.block_m, flash/config.hpp bwd_block_m).
-template <class Element, int kHeadDim>
-cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
-  if constexpr (kHeadDim == 128) {
-    if (p.block_m == BwdTileConfig128Rows80::kBlockM) {
-      return run_bwd_sm90_cfg<Element, kHeadDim, BwdTileConfig128Rows80>(p, stream);
-    }
-  }
-  return run_bwd_sm90_cfg<Element, kHeadDim, BwdTileConfig<kHeadDim>>(p, stream);
 }
 
 }  // namespace flash

@@ -43,16 +43,17 @@ constexpr int preprocess_rows_per_block() {
 }
 
 // kHeadDim / 8 lanes per query row stride over head_dim in vectors of 8 elements (16 bytes). Covers each sequence's
-// rows rounded up to whole workspace tiles of kRound rows (the main kernel's kSeqlenQRounding).
-template <class Element, int kHeadDim, int kRound>
+// rows rounded up to whole workspace tiles.
+template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kernel(BwdParams const p) {
   constexpr int kVec = 8, kLanes = preprocess_lanes_per_row<kHeadDim>();
   static_assert(32 % kLanes == 0 && kHeadDim % (kLanes * kVec) == 0);
-  static_assert(kRound % (32 / kLanes) == 0);  // a warp's rows are all in or all out of the range
+  static_assert(kBwdSeqlenQRounding % (32 / kLanes) == 0);  // a warp's rows are all in or all out of the range
   int const lane = threadIdx.x % kLanes;
   int const row = blockIdx.x * preprocess_rows_per_block<kHeadDim>() + threadIdx.x / kLanes;
   int const bidh = blockIdx.y;
   SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
+  constexpr int kRound = kBwdSeqlenQRounding;
   if (row >= (info.seqlen_q + kRound - 1) / kRound * kRound) { return; }
   float dot = 0.f;
   if (row < info.seqlen_q) {
@@ -77,7 +78,8 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
   for (int offset = kLanes / 2; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
   if (lane == 0) {
     int64_t const idx =
-        bwd_workspace_row<kRound>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) + row;
+        bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
+        row;
     float lse_log2 = INFINITY;
     if (row < info.seqlen_q) {
       int64_t const row_idx = lse_index(p, info, bidh, row);
@@ -125,8 +127,8 @@ __global__ void flash_bwd_postprocess_kernel(BwdParams const p) {
 
 // Postprocess for the kSwapSdP main kernel, whose dQ accumulator holds each (kBlockM, head_dim) tile in the register
 // order of its dQ GEMM: value i of consumer thread t at [(i / 4) * 128 + t % 128] * 4 + i % 4 of warpgroup t / 128's
-// half (kDQSwapAB: the GEMM's coordinates are (column, row)). One CTA per tile, one thread per consumer thread: read
-// that order, place the values through shared memory, write whole rows with 16-byte stores.
+// half. One CTA per tile, one thread per consumer thread: read that order, place the values through shared memory,
+// write whole rows with 16-byte stores.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::NumMmaThreads)
     flash_bwd_postprocess_tiled_kernel(BwdParams const p) {
@@ -140,13 +142,12 @@ __global__ void __launch_bounds__(Traits::NumMmaThreads)
   int const t = threadIdx.x, wg = t / cutlass::NumThreadsPerWarpGroup, wg_tidx = t % cutlass::NumThreadsPerWarpGroup;
 
   typename Traits::TiledMmadQ tiled_mma_dq;
-  Tensor tdQcdQ =
-      tiled_mma_dq.get_thread_slice(t).partition_C(cute::make_identity_tensor(typename Traits::ShapeDQAcc{}));
+  Tensor tdQcdQ = tiled_mma_dq.get_thread_slice(t).partition_C(
+      cute::make_identity_tensor(cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   constexpr int kValues = decltype(cute::size(tdQcdQ))::value;
   float const* src =
       p.dq_accum_ptr +
-      (bwd_workspace_row<Traits::kSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx,
-                                                   bidh) +
+      (bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
        int64_t(m_block) * kBlockM) * kHeadDim +
       wg * Traits::kDQChunkFloats;
   CUTLASS_PRAGMA_UNROLL
@@ -156,8 +157,7 @@ __global__ void __launch_bounds__(Traits::NumMmaThreads)
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < 4; ++k) {
       auto const coord = tdQcdQ(i + k);
-      int const r = cute::get<Traits::kDQSwapAB ? 1 : 0>(coord), c = cute::get<Traits::kDQSwapAB ? 0 : 1>(coord);
-      tile[r][c] = Element(vals[k] * p.softmax_scale);
+      tile[cute::get<0>(coord)][cute::get<1>(coord)] = Element(vals[k] * p.softmax_scale);
     }
   }
   __syncthreads();
