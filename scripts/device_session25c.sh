@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Session 25, first call of the final check: the GPU check from a clean build of the tree (scripts/device_run4.sh;
-# every GPU test file but test_varlen_gpu.py and test_bwd_tiles_gpu.py, which scripts/device_session25b.sh runs on
-# the same machine next), then the backward A/B at head_dim 128 without a mask on that build: 64-row tiles
-# (FAH_BWD_BLOCK_M=64) against the chosen 80, ours and cuDNN per process, ROUNDS rounds.
+# Session 25 call 1, on the tree with head_dim 128's 80-row backward tiles (36a897a; not kept, see benchmarks/NOTES.md
+# "Session 25"): the GPU check from a clean build (scripts/device_run4.sh; every GPU test file but test_varlen_gpu.py
+# and that tree's test_bwd_tiles_gpu.py; the 420 s limit cut the tests at test_fwd_tiles_gpu.py), then the backward A/B
+# at head_dim 128 without a mask on that build: 64-row tiles (FAH_BWD_BLOCK_M=64) against the chosen 80, ours and
+# cuDNN per process, ROUNDS rounds.
 set -u
 export PYTHONUNBUFFERED=1
 FAH_SKIP_BENCH=1 CHECK_TIMEOUT=${CHECK_TIMEOUT:-420} \
