@@ -9,6 +9,9 @@ in tests/test_tile_choice_cpu.py):
   tests/test_features_gpu.py, tests/test_fwd_boundary_gpu.py) pass under it, all but their cases parametrized with
   another head_dim (FAH_TEST_HEAD_DIM=64, tests/conftest.py): the tests with a fixed head_dim stay, whichever it is.
 
+Also those test files at head_dim 64, 128 and 256 with the consumers' ping-pong turned off (FAH_FWD_PINGPONG=0), the
+way head_dim 64's 128-row tiles always run (csrc/flash/config.hpp FwdTileConfig64Narrow::kPingpong).
+
 Skipped, with the reason, without an sm90 GPU and the built extension (see conftest.py)."""
 
 import os

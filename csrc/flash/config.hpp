@@ -81,9 +81,9 @@ struct FwdTileConfig<64> {
 // exp-bound softmax gain from letting both warpgroups issue freely: H200, 2026-12-02 (session 24 call 5, bf16 TFLOP/s,
 // two rounds, forced 128 rows, on / off): causal 1024 313-315 / 319-321, 4096 403 / 410-413, 2048 367-369 / 367-379;
 // non-causal 1024 424-425 / 429-430 (2048 and 4096, where these tiles do not run without a mask: 442-450 / 440-441,
-// 453-455 / 455). This flag against ping-pong everywhere (session 25 call 2, the launcher's tiles, two rounds):
-// causal 512 234-236 / 239, 1024 316-317 / 322-323, 2048 379-380 / 378-383, 4096 410-411 / 412-415; non-causal
-// 512 and 1024 level (371-373, 426-428).
+// 453-455 / 455). The flag against session 24's head, which took turns here too (session 25 call 2, the launcher's
+// tiles, two rounds, head / flag): causal 512 234-236 / 239, 1024 316-317 / 322-323, 2048 379-380 / 378-383, 4096
+// 410-411 / 412-415; non-causal 512 and 1024 level (371-373, 426-428).
 struct FwdTileConfig64Narrow {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
   static constexpr bool kPersistent = true;
