@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A/B (DIRECTION fwd, the default, or bwd) over prebuilt extensions and environment settings in one device call: each ';'-separated CASES entry
+# A/B over prebuilt extensions and environment settings in one device call: each ';'-separated CASES entry
 # "BUILD ENV=VALUE..." (ENV optional, e.g. "F FAH_FWD_BLOCK_M=192") runs python -m flash_attn_hopper.benchmark $BENCH in
-# its own process with .prebuilt/BUILD, for ROUNDS rounds (order reversed every other round). Table lines on stdout,
-# JSONs in $OUT/env_ab_$TAG.tar.gz.
+# its own process with .prebuilt/BUILD, for ROUNDS rounds (order reversed every other round), in the direction
+# DIRECTION (fwd, the default, or bwd). Table lines on stdout, JSONs in $OUT/env_ab_$TAG.tar.gz.
 set -u
 export PYTHONUNBUFFERED=1
 IFS=';' read -ra C <<< "$CASES"
