@@ -210,14 +210,4 @@ inline int bwd_dq_lanes(int kernel_head_dim, bool deterministic, bool full_rows,
   return full_rows && seqlen_k <= 8192 && copy_bytes <= (int64_t(1) << 30) ? 2 : 1;
 }
 
-// kSwapSdP backward outside deterministic mode: dQ tiles added by the consumers with 16-byte reductions from registers
-// (true) or staged in shared memory for the writer warp's TMA reduce-add (false). FAH_BWD_DQ_ATOMIC=0 or 1 forces
-// either. (Experiment, session 26.)
-inline bool bwd_dq_atomic() {
-  if (char const* v = std::getenv("FAH_BWD_DQ_ATOMIC"); v != nullptr && (v[0] == '0' || v[0] == '1')) {
-    return v[0] == '1';
-  }
-  return true;
-}
-
 }  // namespace flash

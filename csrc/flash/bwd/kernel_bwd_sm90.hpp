@@ -148,9 +148,6 @@ struct BwdTraitsBase {
     // stay in registers across the group's heads and are stored once (no fp32 sums).
     int heads_per_cta;
     int dq_lanes;  // copies of the dQ accumulator, one after another (BwdParams::dq_lanes)
-    // kSwapSdP kernels outside deterministic mode: the consumers add their dQ tiles into the workspace with vector
-    // reductions (bwd_dq_atomic) and the writer warp has nothing to do.
-    bool dq_atomic;
   };
 };
 
@@ -720,7 +717,6 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
   int const warpgroup = mma_tidx / cutlass::NumThreadsPerWarpGroup;
   int const wg_tidx = mma_tidx % cutlass::NumThreadsPerWarpGroup;
   float* sdq_chunk = ss.smem_dq.data() + warpgroup * Traits::kDQChunkFloats;
-  bool const dq_atomic = !kDeterministic && params.dq_atomic;
   static_assert(decltype(size(partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{})))::value *
                     cutlass::NumThreadsPerWarpGroup == Traits::kDQChunkFloats);
 
@@ -729,8 +725,6 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
     typename Traits::PipelineState read_state;
     int ds_buf = 0;
     for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {  // the CTA's query heads
-      int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                                       params.seqlen_q_rounded, info.batch_idx, bidh);
       for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
         int const stage = read_state.index();
         float const* lse_log2 = ss.smem_lse.data() + stage * kBlockM;
@@ -805,30 +799,16 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
         warpgroup_fence_operand(tdVrP);  // registers read by an in-flight WGMMA must stay untouched until now
         // dQ_tile (unscaled; the postprocess applies softmax_scale) into this warpgroup's chunk while dK runs, once
         // the writer has finished reading the previous one.
-        if (dq_atomic) {
-          // The chunk the writer would add, straight from registers: a warp's 16-byte reductions cover 512
-          // contiguous bytes of the workspace (the same register order as the staged chunk).
-          int const row_tile = get<0>(Traits::dq_chunk_tile(row_base, m_block, warpgroup));
-          if ((row_tile + 1) * Traits::kDQChunkRows <= params.dq_accum_rows) {
-            float* gdq = params.dq_accum_ptr + int64_t(row_tile) * Traits::kDQChunkFloats + 4 * wg_tidx;
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(tdQrdQ); i += 4) {
-              red_add_v4(gdq + i * cutlass::NumThreadsPerWarpGroup, tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2),
-                         tdQrdQ(i + 3));
-            }
-          }
-        } else {
-          if (bidh > bidh0 || m_block > m_block_min) {
-            cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
-          }
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(tdQrdQ); i += 4) {
-            *reinterpret_cast<float4*>(sdq_chunk + (i * cutlass::NumThreadsPerWarpGroup + 4 * wg_tidx)) =
-                make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
-          }
-          cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
-          cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + warpgroup);
+        if (bidh > bidh0 || m_block > m_block_min) {
+          cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
         }
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tdQrdQ); i += 4) {
+          *reinterpret_cast<float4*>(sdq_chunk + (i * cutlass::NumThreadsPerWarpGroup + 4 * wg_tidx)) =
+              make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+        }
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> TMA (async proxy) reads
+        cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQFull + warpgroup);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdKrdS);
         pipeline.consumer_release(read_state);
@@ -1098,7 +1078,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       if (threadIdx.x == 0 && m_block_max > m_block_min) {
         bwd_producer<Traits>(params, ss, pipeline, pipeline_do, n_block, bidh, info, m_block_min, m_block_max);
       }
-      if (warp_idx == 1 && m_block_max > m_block_min && !(Traits::kSwapSdP && !kDeterministic && params.dq_atomic)) {
+      if (warp_idx == 1 && m_block_max > m_block_min) {
         bwd_dq_writer<Traits, kDeterministic>(params, ss, n_block, bidh, info, m_block_min, m_block_max);
       }
     } else {

@@ -154,7 +154,6 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       dkv_tma,
       p.heads_per_cta,
       p.dq_lanes,
-      bwd_dq_atomic(),
   };
   // Softcap and deterministic mode are template arguments: either one's code in the loop (softcap's registers; the
   // memory fences of deterministic mode, which turn every fire-and-forget dQ reduction into a waited-for atomic)

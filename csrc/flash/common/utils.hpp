@@ -89,12 +89,6 @@ CUTLASS_DEVICE void convert_type_into(Tensor<EngineS, LayoutS> const& src, Tenso
 }
 
 // The four threads of a quad hold the same accumulator rows; reduce across them.
-// A 16-byte fp32 reduction into global memory (PTX: CuTe has no vector reduction atom for global memory), relaxed and
-// fire-and-forget: the kernel's end orders it before the next kernel.
-CUTLASS_DEVICE void red_add_v4(float* ptr, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
-}
-
 CUTLASS_DEVICE float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
