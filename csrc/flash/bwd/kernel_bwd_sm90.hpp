@@ -645,24 +645,12 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
         }
       };
       if (!kEmptyBeforeRelease) { release_turn(); }
-      bool const hand_back = Traits::kDQPass1InQ || tile_idx + 1 < num_tiles;
-      if constexpr (kPasses == 1 && !kDeterministic) {
-        // Each warpgroup's chunk back as soon as TMA has read it (wait_group.read 1: all but the newest bulk group),
-        // not once both are read: a warpgroup waiting here for its next chunk holds the other one back too.
+      if (leader) { tma_store_wait<0>(); }  // every chunk read out of shared memory (a no-op after release_turn)
+      __syncwarp();
+      if (Traits::kDQPass1InQ || tile_idx + 1 < num_tiles) {
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < 2; ++wg) {
-          if (leader) { wg == 0 ? tma_store_wait<1>() : tma_store_wait<0>(); }
-          __syncwarp();
-          if (hand_back) { cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + wg); }
-        }
-      } else {
-        if (leader) { tma_store_wait<0>(); }  // every chunk read out of shared memory (a no-op after release_turn)
-        __syncwarp();
-        if (hand_back) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int wg = 0; wg < 2; ++wg) {
-            cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + wg);
-          }
+          cutlass::arch::NamedBarrier::arrive(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + wg);
         }
       }
       if (kEmptyBeforeRelease) { release_turn(); }
