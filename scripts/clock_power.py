@@ -3,9 +3,8 @@ and FA2 backends), to tell whether the benchmark's ratios are ratios of work per
 near its power limit in the sustained grid, so an implementation that draws more power per FLOP runs at a lower clock.
 
 For each case (head_dim, causal, direction; --dtype bf16 or fp16) and backend, in alternating order over --rounds
-rounds: the call repeats for
---seconds while `nvidia-smi -lms 50` samples clocks.sm and power (instant where the driver has it); the first
---settle seconds of samples are dropped. Prints one line per measurement: TFLOP/s (CUDA events over the loop), median
+rounds: the call repeats for --seconds while `nvidia-smi -lms 50` samples clocks.sm and power (instant where the
+driver has it); the first --settle seconds of samples are dropped. Prints one line per measurement: TFLOP/s (CUDA events over the loop), median
 SM clock (MHz), median power (W), TFLOP/s per GHz of SM clock and TFLOP per kJ. Grid of the benchmark: batch x seqlen
 = 16384 tokens, nheads = 2048 / head_dim.
 
