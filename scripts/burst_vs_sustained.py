@@ -1,10 +1,13 @@
-"""One attention call timed from an idle GPU (a burst) and after seconds of back-to-back calls (sustained), with the
-SM clock nvidia-smi reports at each: is the gap between Nsight Compute's kernel durations (short replays) and the
+"""One attention call timed from an idle GPU (a burst) and after seconds of back-to-back calls (sustained), with the SM
+clock nvidia-smi reports at each: is the gap between Nsight Compute's kernel durations (short replays) and the
 benchmark's sustained numbers the SM clock alone, or does the power limit slow the card beyond what clocks.sm shows?
 
-Per case (head_dim, direction; non-causal, batch x seqlen = 16384 tokens, nheads = 2048 / head_dim, bf16, ours):
-after --idle seconds without work, three calls timed one by one with CUDA events (the burst); then --seconds of
-back-to-back calls; then three more calls timed one by one (sustained). Prints ms, TFLOP/s and clocks.sm, power just after each.
+Per case (head_dim, direction; non-causal, batch x seqlen = 16384 tokens, nheads = 2048 / head_dim, bf16, ours): after
+--idle seconds without work, three calls timed one by one with CUDA events (the burst); then --seconds of back-to-back
+calls; then three more calls timed one by one (sustained). Prints ms, TFLOP/s, and clocks.sm and power read once just
+after each phase's three calls (the clock is a fair reading of the phase; the power is already falling back towards
+idle). One GPU: nvidia-smi answers for every GPU.
+
 Usage (on the GPU machine): PYTHONPATH=. python scripts/burst_vs_sustained.py [--cases 128:bwd,128:fwd]
 """
 import argparse
@@ -16,7 +19,7 @@ import torch
 import flash_attn_hopper as fah
 
 
-def sm_clock():
+def clock_and_power():
     r = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw.instant", "--format=csv,noheader,nounits"],
                        capture_output=True, text=True)
     return r.stdout.strip()
@@ -59,16 +62,16 @@ def main():
         timed(fn, 2)  # first-call costs
         time.sleep(args.idle)
         burst = timed(fn)
-        clk0 = sm_clock()  # just after the burst
+        clk0 = clock_and_power()  # just after the burst
         t0 = time.time()
         while time.time() - t0 < args.seconds:
             fn()
             torch.cuda.synchronize()
         sustained = timed(fn)
-        clk1 = sm_clock()
+        clk1 = clock_and_power()
         fmt = lambda ms: " ".join(f"{x:.3f} ms ({flops / x / 1e9:.0f})" for x in ms)  # noqa: E731
-        print(f"head_dim {hd} {direction}: burst [{clk0} MHz,W] {fmt(burst)} | sustained [{clk1} MHz,W] {fmt(sustained)}",
-              flush=True)
+        print(f"head_dim {hd} {direction}: burst [clocks.sm MHz, W after: {clk0}] {fmt(burst)} | "
+              f"sustained [after: {clk1}] {fmt(sustained)}", flush=True)
 
 
 if __name__ == "__main__":

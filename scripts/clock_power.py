@@ -1,14 +1,16 @@
-"""SM clock and board power while each implementation runs one attention call back to back (ours, torch SDPA's cuDNN
-and FA2 backends), to tell whether the benchmark's ratios are ratios of work per clock or of clocks: the H200 runs
-near its power limit in the sustained grid, so an implementation that draws more power per FLOP runs at a lower clock.
+"""SM clock and board power while each implementation runs one attention call back to back (ours, torch SDPA's cuDNN and
+FA2 backends), to tell whether the benchmark's ratios are ratios of work per clock or of clocks: the H200 runs near
+its power limit in the sustained grid, so an implementation that draws more power per FLOP runs at a lower clock.
 
 For each case (head_dim, causal, direction; --dtype bf16 or fp16) and backend, in alternating order over --rounds
 rounds: the call repeats for --seconds while `nvidia-smi -lms 50` samples clocks.sm and power (instant where the
-driver has it); the first --settle seconds of samples are dropped. Prints one line per measurement: TFLOP/s (CUDA events over the loop), median
-SM clock (MHz), median power (W), TFLOP/s per GHz of SM clock and TFLOP per kJ. Grid of the benchmark: batch x seqlen
-= 16384 tokens, nheads = 2048 / head_dim.
+driver has it); the first --settle seconds are neither timed nor kept (their share of the samples is dropped). One
+GPU: nvidia-smi is asked about every GPU of the machine. Prints one line per measurement: TFLOP/s (CUDA events over
+the loop), median SM clock (MHz), median power (W), TFLOP/s per GHz of SM clock and TFLOP per kJ. Grid of the
+benchmark: batch x seqlen = 16384 tokens, nheads = 2048 / head_dim.
 
-Usage (on the GPU machine): python scripts/clock_power.py [--cases 128:no:fwd,128:no:bwd] [--seqlen 16384]
+Usage (on the GPU machine):
+  PYTHONPATH=. python scripts/clock_power.py [--cases 128:no:fwd,128:no:bwd] [--seqlen 16384]
 """
 import argparse
 import json
@@ -47,6 +49,9 @@ def measure(fn, flops, seconds, settle, fields):
                            stdout=subprocess.PIPE, text=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.time()
+    while time.time() - t0 < settle:  # sampled, then dropped with its samples: not timed either
+        fn()
+        torch.cuda.synchronize()
     calls = 0
     start.record()
     while time.time() - t0 < seconds:
@@ -124,7 +129,8 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(hd)
         q, k, v, dout = (torch.randn(batch, args.seqlen, nheads, hd, dtype=dtype, device="cuda",
                                      generator=gen) for _ in range(4))
-        flops = 4 * batch * nheads * args.seqlen ** 2 * hd * (0.5 if causal else 1.0) * (2.5 if direction == "bwd" else 1)
+        flops = 4 * batch * nheads * args.seqlen ** 2 * hd * (0.5 if causal else 1.0)
+        flops *= 2.5 if direction == "bwd" else 1.0
         for r in range(args.rounds):
             order = backends if r % 2 == 0 else backends[::-1]
             for b in order:
