@@ -69,17 +69,21 @@ def test_forced_block_m_is_the_kernel_that_runs(block_m, causal, tmp_path):
     assert f", 64, {320 - block_m}, 128, " not in line, line
 
 
-@pytest.mark.parametrize("block_m", [128, 192])
-def test_forced_block_m_passes_the_forward_tests(block_m):
-    _built_dtype(64)
+def _forward_files_pass(env):
+    """Runs FILES in a child process with `env`; they must all pass."""
     args = ["-q", "-x", "-p", "no:cacheprovider", *FILES]
     code = PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                       env=_env(block_m))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
     summary = r.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+
+
+@pytest.mark.parametrize("block_m", [128, 192])
+def test_forced_block_m_passes_the_forward_tests(block_m):
+    _built_dtype(64)
+    _forward_files_pass(_env(block_m))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -88,12 +92,6 @@ def test_forward_without_pingpong_passes_the_forward_tests(head_dim):
     turns; head_dim 64's 128-row tiles run that way by configuration (FwdTileConfig64Narrow::kPingpong), the others only
     under the switch. The forward test files pass with it at each kernel width."""
     _built_dtype(head_dim)
-    args = ["-q", "-x", "-p", "no:cacheprovider", *FILES]
-    code = PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
     env = dict(os.environ, FAH_FWD_PINGPONG="0", FAH_TEST_HEAD_DIM=str(head_dim))
     env.pop("FAH_FWD_BLOCK_M", None)  # the launcher's own tiles
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
-    tail = (r.stdout + r.stderr)[-3000:]
-    assert r.returncode == 0, tail
-    summary = r.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+    _forward_files_pass(env)
