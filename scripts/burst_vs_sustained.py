@@ -6,23 +6,22 @@ Per case (head_dim, direction; non-causal, batch x seqlen = 16384 tokens, nheads
 --idle seconds without work, three calls timed one by one with CUDA events (the burst); then --seconds of back-to-back
 calls; then three more calls timed one by one (sustained). Prints ms, TFLOP/s, and clocks.sm and power read once just
 after each phase's three calls (the clock is a fair reading of the phase; the power is already falling back towards
-idle). One GPU: nvidia-smi answers for every GPU.
+idle).
 
 Usage (on the GPU machine): PYTHONPATH=. python scripts/burst_vs_sustained.py [--cases 128:bwd,128:fwd]
 """
 import argparse
-import subprocess
 import time
 
 import torch
 
 import flash_attn_hopper as fah
+from flash_attn_hopper.benchmark import _nvidia_smi
 
 
 def clock_and_power():
-    r = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw.instant", "--format=csv,noheader,nounits"],
-                       capture_output=True, text=True)
-    return r.stdout.strip()
+    q = _nvidia_smi(["clocks.sm", "power.draw.instant"]) or {}
+    return f"{q.get('clocks.sm')} MHz, {q.get('power.draw.instant')} W"
 
 
 def timed(fn, n=3):
@@ -70,7 +69,7 @@ def main():
         sustained = timed(fn)
         clk1 = clock_and_power()
         fmt = lambda ms: " ".join(f"{x:.3f} ms ({flops / x / 1e9:.0f})" for x in ms)  # noqa: E731
-        print(f"head_dim {hd} {direction}: burst [clocks.sm MHz, W after: {clk0}] {fmt(burst)} | "
+        print(f"head_dim {hd} {direction}: burst [after: {clk0}] {fmt(burst)} | "
               f"sustained [after: {clk1}] {fmt(sustained)}", flush=True)
 
 

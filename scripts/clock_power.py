@@ -4,16 +4,16 @@ its power limit in the sustained grid, so an implementation that draws more powe
 
 For each case (head_dim, causal, direction; --dtype bf16 or fp16) and backend, in alternating order over --rounds
 rounds: the call repeats for --seconds while `nvidia-smi -lms 50` samples clocks.sm and power (instant where the
-driver has it); the first --settle seconds are neither timed nor kept (their share of the samples is dropped). One
-GPU: nvidia-smi is asked about every GPU of the machine. Prints one line per measurement: TFLOP/s (CUDA events over
-the loop), median SM clock (MHz), median power (W), TFLOP/s per GHz of SM clock and TFLOP per kJ. Grid of the
-benchmark: batch x seqlen = 16384 tokens, nheads = 2048 / head_dim.
+driver has it); the first --settle seconds are neither timed nor kept (their share of the samples is dropped). Prints
+one line per measurement: TFLOP/s (CUDA events over the loop), median SM clock (MHz), median power (W), TFLOP/s per
+GHz of SM clock and TFLOP per kJ. Grid of the benchmark: batch x seqlen = 16384 tokens, nheads = 2048 / head_dim.
 
 Usage (on the GPU machine):
   PYTHONPATH=. python scripts/clock_power.py [--cases 128:no:fwd,128:no:bwd] [--seqlen 16384]
 """
 import argparse
 import json
+import os
 import subprocess
 import time
 
@@ -22,18 +22,25 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_hopper as fah
+from flash_attn_hopper.benchmark import _nvidia_smi
 
-FIELDS = ("clocks.sm", "power.draw.instant", "power.draw")
+POWER_FIELDS = ("power.draw.instant", "power.draw")
 
 
 def smi_fields():
-    """The power field this driver answers (instant power on recent drivers)."""
-    for power in FIELDS[1:]:
-        r = subprocess.run(["nvidia-smi", f"--query-gpu=clocks.sm,{power}", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True)
-        if r.returncode == 0 and "Not Supported" not in r.stdout and "[" not in r.stdout:
+    """The nvidia-smi fields to sample: the SM clock and the power field this driver answers (instant power on recent
+    drivers)."""
+    for power in POWER_FIELDS:
+        q = _nvidia_smi(["clocks.sm", power])
+        if q is not None and q[power] is not None:
             return f"clocks.sm,{power}"
     raise RuntimeError("nvidia-smi answers neither power.draw.instant nor power.draw")
+
+
+def smi_gpu_args():
+    """nvidia-smi's -i for the GPU this process uses (the first of CUDA_VISIBLE_DEVICES), as benchmark._nvidia_smi."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return ["-i", visible] if visible else []
 
 
 def median(xs):
@@ -45,8 +52,8 @@ def measure(fn, flops, seconds, settle, fields):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=subprocess.PIPE, text=True)
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "50",
+                            *smi_gpu_args()], stdout=subprocess.PIPE, text=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.time()
     while time.time() - t0 < settle:  # sampled, then dropped with its samples: not timed either
