@@ -155,6 +155,11 @@ def parse_args(argv=None):
         help="one tiny dense point (seqlen 256, 2 heads) with short timing, to check the script itself",
     )
     g.add_argument("--no-bar", action="store_true", help="no tqdm progress bar (a line per point is printed anyway)")
+    g.add_argument(
+        "--no-adjacent",
+        action="store_true",
+        help="skip the dense references timed beside each feature point (see feature_reference_specs)",
+    )
     o = p.add_argument_group("output and regression gate")
     o.add_argument(
         "--json",
@@ -705,13 +710,56 @@ def window_keys_per_row(seqlen, causal):
     return window_pairs(seqlen, WINDOW, 0 if causal else WINDOW) / seqlen
 
 
+ADJACENT_ROUNDS = 2  # time_adjacent: reference, feature, feature, reference (each ADJACENT_ROUNDS times)
+ADJACENT_SEQLEN_STEP = 128  # a window's equal-work references: the multiple of this nearest the target seqlen
+
+
+def _nearest_multiple(target, step):
+    return max(step, step * round(target / step))
+
+
+def feature_reference_specs(spec, step=None):
+    """The dense points of ours that a feature point is timed beside (add_adjacent_references): [(kind, causal,
+    seqlen)]. "same": dense at the same head_dim, mask and seqlen (GQA, varlen, softcap, deterministic). Windows:
+    "equal_work", dense non-causal at the multiple of `step` (default ADJACENT_SEQLEN_STEP) nearest the window rows'
+    average keys, and for a causal window also "equal_work_causal", dense causal at the multiple nearest the seqlen
+    whose rows see as many keys on average ((seqlen + 1) / 2). With the tokens of the point kept (batch = tokens //
+    seqlen), the same keys per row means about the same attended pairs: the issue's "dense kernel at the same useful
+    FLOPs", once with the mask's causal flag kept; TFLOP/s on both sides count each side's own pairs exactly."""
+    step = step or ADJACENT_SEQLEN_STEP
+    feature, causal, seqlen = spec["feature"], bool(spec["causal"]), spec["seqlen"]
+    if feature == "dense":
+        return []
+    if feature != "window":
+        return [("same", causal, seqlen)]
+    keys = window_keys_per_row(seqlen, causal)
+    out = [("equal_work", False, _nearest_multiple(keys, step))]
+    if causal:
+        out.append(("equal_work_causal", True, _nearest_multiple(2 * keys - 1, step)))
+    return out
+
+
+def time_adjacent(timer, feature_fn, reference_fn, rounds=ADJACENT_ROUNDS):
+    """Median times (ms) of a feature call and its dense reference, timed in turn so that both see the same clock and
+    power state (on a GPU at its power limit the SM clock drifts over a run of minutes, which moves ratios between
+    points measured far apart): reference, feature, then feature, reference, ... (`rounds` times each; an even count
+    cancels a steady drift). Returns (feature ms, reference ms), each the mean of its rounds' medians."""
+    tf, tr = [], []
+    for i in range(rounds):
+        order = ((reference_fn, tr), (feature_fn, tf)) if i % 2 == 0 else ((feature_fn, tf), (reference_fn, tr))
+        for fn, acc in order:
+            acc.append(timer(fn)["median"])
+    return sum(tf) / len(tf), sum(tr) / len(tr)
+
+
 def feature_ratios(results):
     """Ours at each measured feature point against dense points of the same record: {"key": point_key,
     "direction": d, "ours": TFLOP/s, "vs_dense": ours / dense at the same head_dim, mask and seqlen, "vs_equal_work",
     "equal_work_seqlen": for windows, ours / dense non-causal (same head_dim) at the seqlen nearest the window's
     average keys per row, when that is within EQUAL_WORK_TOLERANCE of it (same tokens, same keys per row: the same
-    pairs to compute, the issue's "dense kernel at the same useful FLOPs"); else None}. A missing dense point gives
-    None."""
+    pairs to compute, the issue's "dense kernel at the same useful FLOPs"); else None, "adjacent": {kind: the
+    record's part["adjacent"] entry} (dense references timed beside the point, feature_reference_specs)}. A missing
+    dense point gives None."""
     rows = measured(results)
     dense = {(r["head_dim"], bool(r["causal"]), r["seqlen"]): r for r in rows if r.get("feature", "dense") == "dense"}
 
@@ -740,8 +788,9 @@ def feature_ratios(results):
             equal = None
             if equal_seqlen is not None:
                 equal = ratio(t, ours(dense.get((r["head_dim"], False, equal_seqlen)), d))
+            adjacent = {x["kind"]: x for x in (r.get(d) or {}).get("adjacent", []) if x.get("ratio") is not None}
             out.append({"key": point_key(r), "direction": d, "ours": t, "vs_dense": ratio(t, ours(same, d)),
-                        "vs_equal_work": equal, "equal_work_seqlen": equal_seqlen})
+                        "vs_equal_work": equal, "equal_work_seqlen": equal_seqlen, "adjacent": adjacent})
     return out
 
 
@@ -758,9 +807,15 @@ def format_feature_ratios(results):
     for d in dirs:
         header += [f"{d} ours", f"{d} / dense"]
     header += ["equal-work dense seqlen"] + [f"{d} / equal-work dense" for d in dirs]
+    header += [f"{d} / dense timed beside" for d in dirs]
     lines = ["Features against dense points of this run: at the same head_dim, mask and seqlen; windows also against "
              "dense non-causal at the same keys per row (the measured seqlen nearest a window row's average keys, "
-             f"within {EQUAL_WORK_TOLERANCE:.0%}; n/a where none is).", "",
+             f"within {EQUAL_WORK_TOLERANCE:.0%}; n/a where none is). \"Timed beside\": ours against dense "
+             f"references of ours timed in turn with the feature point ({ADJACENT_ROUNDS} rounds each), free of the "
+             "clock drift between points measured minutes apart: same = the dense point of the same mask and seqlen; "
+             "equal work = dense non-causal with the window's average keys per row; causal equal work = dense causal "
+             f"with as many keys per row on average (seqlens rounded to a multiple of {ADJACENT_SEQLEN_STEP}, "
+             "batch = the point's tokens // seqlen).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, per_dir in by_point.items():
         feature, _, hd, causal, seqlen = key
@@ -774,8 +829,19 @@ def format_feature_ratios(results):
         else:
             cells += [_fmt(any_x["equal_work_seqlen"], "d")]
             cells += [_fmt(per_dir[d]["vs_equal_work"], ".2f") if d in per_dir else "n/a" for d in dirs]
+        cells += [_adjacent_cell(per_dir.get(d)) for d in dirs]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+ADJACENT_LABEL = {"same": "same", "equal_work": "equal work", "equal_work_causal": "causal equal work"}
+
+
+def _adjacent_cell(x):
+    if x is None or not x.get("adjacent"):
+        return "n/a"
+    return "; ".join(f"{a['ratio']:.2f} ({ADJACENT_LABEL.get(kind, kind)} {a['seqlen']})"
+                     for kind, a in x["adjacent"].items())
 
 
 def _ours_call(fah, q, k, v, causal, ours_kw):
@@ -953,12 +1019,78 @@ def run_point(torch, F, fah, timer, args, spec, dtype, ours_reason):
     if "fwd" in args.directions:
         rec["fwd"] = run_fwd(torch, F, fah, timer, args, tensors, causal, fwd_flops, skip, in_backend, kw)
         torch.cuda.empty_cache()
+    dout = None
     if "bwd" in args.directions:
         dout = torch.randn(shape, dtype=dtype, device=DEVICE, generator=gen)
         bwd_flops = int(BWD_FLOPS_FACTOR * fwd_flops)
         rec["bwd"] = run_bwd(torch, F, fah, timer, args, tensors, dout, causal, bwd_flops, skip, in_backend, kw)
         torch.cuda.empty_cache()
+    if not getattr(args, "no_adjacent", False) and "ours" not in skip and "ours" in args.backends:
+        add_adjacent_references(torch, fah, timer, args, spec, rec, (q, k, v, dout), ours_kw, dtype, gen)
     return rec
+
+
+def add_adjacent_references(torch, fah, timer, args, spec, rec, qkv_dout, ours_kw, dtype, gen):
+    """For a feature point: each dense reference of feature_reference_specs timed with the feature call
+    (time_adjacent), per direction whose ours was measured; appended to rec[direction]["adjacent"] as {kind, causal,
+    seqlen, batch, rounds, ours_tflops, reference_tflops, ratio}, or with error and ratio None when it failed. The
+    reference has the point's tokens (batch = tokens // seqlen) and heads; "same" references of MHA points reuse the
+    point's own q, k, v and dO (the same buffers: a point of ours moves with where its buffers land)."""
+    q, k, v, dout = qkv_dout
+    head_dim, causal = spec["head_dim"], spec["causal"]
+    tokens, nheads = q.shape[0] * q.shape[1], q.shape[2]
+    for kind, ref_causal, ref_seqlen in feature_reference_specs(spec):
+        ref_batch = max(1, tokens // ref_seqlen)
+        ref_fwd_flops = point_flops({"feature": "dense", "head_dim": head_dim, "causal": ref_causal,
+                                     "seqlen": ref_seqlen}, ref_batch, nheads)
+        shape = (ref_batch, ref_seqlen, nheads, head_dim)
+        reuse = kind == "same" and k.shape[2] == nheads and tuple(q.shape[:2]) == shape[:2]
+        refs = {}
+
+        def ref_tensor(name):
+            if name not in refs:
+                src = {"q": q, "k": k, "v": v, "dout": dout}[name]
+                refs[name] = src if reuse else torch.randn(shape, dtype=dtype, device=DEVICE, generator=gen)
+            return refs[name]
+
+        for d in args.directions:
+            part = rec.get(d)
+            if not part or part["tflops"].get("ours") is None:
+                continue
+            entry = {"kind": kind, "causal": ref_causal, "seqlen": ref_seqlen, "batch": ref_batch,
+                     "rounds": ADJACENT_ROUNDS}
+            try:
+                qr, kr, vr = ref_tensor("q"), ref_tensor("k"), ref_tensor("v")
+                ref_dout = ref_tensor("dout") if d == "bwd" else None
+                t_feat, t_ref = _time_beside(
+                    torch, timer, d, lambda *t: _ours_call(fah, *t, causal, ours_kw), (q, k, v, dout),
+                    lambda *t: fah.attention(*t, causal=ref_causal), (qr, kr, vr, ref_dout))
+            except Exception as e:  # noqa: BLE001 - recorded; the point's own numbers stand
+                entry["error"] = _describe(e)
+                entry["ratio"] = None
+            else:
+                flops_ref = ref_fwd_flops if d == "fwd" else int(BWD_FLOPS_FACTOR * ref_fwd_flops)
+                entry["ours_tflops"] = part["flops"] / (t_feat * 1e-3) / 1e12
+                entry["reference_tflops"] = flops_ref / (t_ref * 1e-3) / 1e12
+                entry["ratio"] = entry["ours_tflops"] / entry["reference_tflops"]
+            part.setdefault("adjacent", []).append(entry)
+        refs.clear()
+        torch.cuda.empty_cache()
+
+
+def _time_beside(torch, timer, direction, feature, feature_args, reference, reference_args):
+    """time_adjacent of feature(q, k, v) against reference(q, k, v) (forward without autograd), or of their
+    backwards (torch.autograd.grad of one forward each, with the dO given as the fourth argument)."""
+    if direction == "fwd":
+        with torch.no_grad():
+            return time_adjacent(timer, lambda: feature(*feature_args[:3]), lambda: reference(*reference_args[:3]))
+    graphs = []
+    for fn, (q, k, v, dout) in ((feature, feature_args), (reference, reference_args)):
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        graphs.append((fn(*leaves), leaves, dout))
+    (out, leaves, dout), (ref_out, ref_leaves, ref_dout) = graphs
+    return time_adjacent(timer, lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+                         lambda: torch.autograd.grad(ref_out, ref_leaves, ref_dout, retain_graph=True))
 
 
 def skipped_record(spec, args, reason):
@@ -1043,8 +1175,10 @@ def make_config(args):
             "warmup",
             "rep",
             "smoke",
+            "no_adjacent",
         )
     }
+    cfg["adjacent_rounds"] = ADJACENT_ROUNDS
     cfg["check"] = not args.no_check
     cfg["units"] = {
         "tflops": "TFLOP/s (from the median)",
@@ -1095,10 +1229,13 @@ def _progress_line(i, n, rec):
         err_text = ", ".join(
             f"{BACKEND_LABEL[n]} {max(e.values()) if isinstance(e, dict) else e:.1e}" for n, e in errs.items()
         )
+        beside = "; ".join(f"{a['ratio']:.2f} x dense {ADJACENT_LABEL.get(a['kind'], a['kind'])} {a['seqlen']}"
+                           for a in part.get("adjacent", []) if a.get("ratio") is not None)
         parts.append(
             f"{d}: ours {_fmt(t.get('ours'), '.1f')}, cuDNN {_fmt(t.get('cudnn'), '.1f')}, "
             f"FA2 {_fmt(t.get('fa2'), '.1f')} TFLOP/s, fp32-ref err {err_text or 'n/a'}"
             f"{' FLAGGED' if part.get('check', {}).get('flag') else ''}"
+            f"{f' (timed beside: {beside})' if beside else ''}"
         )
     return head + f" batch={rec.get('batch')} nheads={rec.get('nheads')}: " + "; ".join(parts)
 
@@ -1337,7 +1474,7 @@ def make_remeasure(runner, args, doc, tries=REMEASURE_TRIES):
             feature, _, hd, causal, seqlen = pk
             spec = {"feature": feature, "head_dim": hd, "causal": causal, "seqlen": seqlen}
             sub = copy.copy(args)
-            sub.backends, sub.no_check = ["ours"], True
+            sub.backends, sub.no_check, sub.no_adjacent = ["ours"], True, True
             sub.directions = [d for d in DIRECTIONS if d in dirs]
             print(f"re-measuring {key_text(pk)} {'/'.join(sub.directions)} ({tries} tries)", file=sys.stderr,
                   flush=True)

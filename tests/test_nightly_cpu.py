@@ -307,7 +307,7 @@ class FakeRunner:
         return None if feature == "dense" else f"not in flash_attn_hopper yet (fake: no {feature})"
 
     def run(self, spec, args):
-        self.calls.append((dict(spec), list(args.directions), list(args.backends), args.no_check))
+        self.calls.append((dict(spec), list(args.directions), list(args.backends), args.no_check, args.no_adjacent))
         again = args.backends == ["ours"]
         scale = self.remeasure_scale if again and self.remeasure_scale is not None else self.scale
         if isinstance(scale, list):
@@ -352,7 +352,7 @@ def test_cli_second_run_compared_with_first_passes(tmp_path, capsys):
     assert _main(GRID + ["--json", str(first)])[0] == 0
     rc, runner = _main(GRID + ["--json", str(second), "--compare", str(first)])
     assert rc == 0
-    assert all(not backends == ["ours"] for _, _, backends, _ in runner.calls)  # nothing re-measured
+    assert all(not c[2] == ["ours"] for c in runner.calls)  # nothing re-measured
     assert "compare: PASS: 16 points" in capsys.readouterr().out
     assert json.loads(second.read_text())["compare"]["passed"] is True
 
@@ -363,8 +363,9 @@ def test_cli_doctored_baseline_fails_after_remeasuring(tmp_path, capsys):
     rc, runner = _main(GRID + ["--json", str(out), "--compare", base])
     assert rc == 1
     again = [c for c in runner.calls if c[2] == ["ours"]]
-    # REMEASURE_TRIES tries per point, fwd and bwd together, no correctness check.
-    assert len(again) == 8 * nb.REMEASURE_TRIES and all(c[1] == ["fwd", "bwd"] and c[3] for c in again)
+    # REMEASURE_TRIES tries per point, fwd and bwd together, no correctness check, no references timed beside.
+    assert len(again) == 8 * nb.REMEASURE_TRIES and all(c[1] == ["fwd", "bwd"] and c[3] and c[4] for c in again)
+    assert not any(c[4] for c in runner.calls if c[2] != ["ours"])
     text = capsys.readouterr().out
     last = [line for line in text.splitlines() if line.startswith("compare:")][-1]
     assert last.startswith("compare: FAIL") and "head_dim=128 causal=yes seqlen=4096 bwd" in last
@@ -489,6 +490,152 @@ def test_feature_ratios_against_dense():
     assert "| softcap | 128 | no | 16384 | 576 | 0.90 | — | — |" in text
     assert "| softcap | 128 | no | 512 | 400 | n/a | — | — |" in text
     assert "window skipped (1 points): not in this build" in text
+
+
+def test_feature_reference_specs():
+    """The dense points timed beside a feature point: the same point for GQA, varlen, softcap and deterministic; for a
+    window, dense non-causal with the rows' average keys and, when causal, dense causal with as many keys per row on
+    average ((seqlen + 1) / 2), each seqlen rounded to the nearest multiple of the step."""
+    for feature in ("gqa", "varlen", "softcap", "deterministic"):
+        for causal in (False, True):
+            spec = {"feature": feature, "head_dim": 128, "causal": causal, "seqlen": 4096}
+            assert nb.feature_reference_specs(spec) == [("same", causal, 4096)]
+    assert nb.feature_reference_specs({"feature": "dense", "head_dim": 128, "causal": False, "seqlen": 4096}) == []
+    assert nb.ADJACENT_SEQLEN_STEP == 128
+    win = {"feature": "window", "head_dim": 128, "seqlen": 16384}
+    # (1024, 1024) at 16384: 1984.9 keys per row on average
+    assert nb.feature_reference_specs(dict(win, causal=False)) == [("equal_work", False, 2048)]
+    # (1024, 0): 993.0 keys per row, as many as dense non-causal at ~993 or dense causal at ~1985
+    assert nb.feature_reference_specs(dict(win, causal=True)) == [("equal_work", False, 1024),
+                                                                   ("equal_work_causal", True, 2048)]
+    # at 4096: 1792.75 and 896.9 keys per row, off the benchmark's grid of seqlens
+    assert nb.feature_reference_specs(dict(win, causal=False, seqlen=4096)) == [("equal_work", False, 1792)]
+    assert nb.feature_reference_specs(dict(win, causal=True, seqlen=4096)) == [("equal_work", False, 896),
+                                                                                ("equal_work_causal", True, 1792)]
+    # a window as wide as the sequence: the dense point itself (causal: its non-causal half and itself)
+    assert nb.feature_reference_specs(dict(win, causal=False, seqlen=1024)) == [("equal_work", False, 1024)]
+    assert nb.feature_reference_specs(dict(win, causal=True, seqlen=1024)) == [("equal_work", False, 512),
+                                                                                ("equal_work_causal", True, 1024)]
+    assert nb.feature_reference_specs(dict(win, causal=True, seqlen=64), step=16) == [("equal_work", False, 32),
+                                                                                       ("equal_work_causal", True, 64)]
+
+
+def test_time_adjacent_alternates_reference_first():
+    """reference, feature, feature, reference: an even number of rounds cancels a steady clock drift."""
+    calls = []
+    times = {"feature": iter([2.0, 4.0]), "reference": iter([1.0, 3.0])}
+
+    def timer(fn):
+        name = fn()
+        calls.append(name)
+        return {"median": next(times[name])}
+
+    t_feat, t_ref = nb.time_adjacent(timer, lambda: "feature", lambda: "reference", rounds=2)
+    assert calls == ["reference", "feature", "feature", "reference"]
+    assert (t_feat, t_ref) == (3.0, 2.0)
+
+
+def test_adjacent_references_from_run_point_on_the_cpu(monkeypatch):
+    """run_point's references timed beside a feature point, end to end on the CPU: a stand-in for flash_attn_hopper
+    (SDPA in float32) and a timer that gives every call 1 ms, so that each ratio is the ratio of the two sides' FLOPs.
+    Checks the reference shapes (GQA: full heads), the backward's FLOPs factor on both sides, a reference that fails
+    (recorded, the other kinds still run) and --no-adjacent."""
+    torch = pytest.importorskip("torch")
+    import types
+
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(nb, "DEVICE", "cpu")
+    monkeypatch.setattr(nb, "ADJACENT_SEQLEN_STEP", 16)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    calls = []
+    fail_seqlen = []
+
+    def attention(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+        calls.append((tuple(q.shape), tuple(k.shape), causal, window_size, softcap, deterministic))
+        if q.shape[1] in fail_seqlen:
+            raise RuntimeError("no kernel here")
+        qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=k.shape[2] != q.shape[2])
+        return o.transpose(1, 2).to(q.dtype)
+
+    fah = types.SimpleNamespace(attention=attention)
+
+    def timer(fn):
+        fn()
+        return {"median": 1.0}
+
+    base = ["--tokens", "128", "--hidden", "64", "--head-dims", "32", "--no-check", "--backends", "ours"]
+    args = nb.parse_args(base)
+
+    def run(feature, causal, seqlen, a=args):
+        spec = {"feature": feature, "head_dim": 32, "causal": causal, "seqlen": seqlen}
+        return nb.run_point(torch, F, fah, timer, a, spec, torch.bfloat16, lambda hd: None)
+
+    rec = run("gqa", False, 64)  # 2 query heads, 1 KV head
+    for d in ("fwd", "bwd"):
+        (x,) = rec[d]["adjacent"]
+        assert (x["kind"], x["causal"], x["seqlen"], x["batch"]) == ("same", False, 64, 2)
+        assert x["ratio"] == pytest.approx(1.0)  # the same FLOPs: the backward's factor on both sides
+    assert ((2, 64, 2, 32), (2, 64, 2, 32), False, (-1, -1), 0.0, False) in calls  # the reference: MHA
+    assert ((2, 64, 2, 32), (2, 64, 1, 32), False, (-1, -1), 0.0, False) in calls  # the feature
+
+    calls.clear()
+    rec = run("window", True, 64)  # window (1024, 0) covers 64 keys: causal, 32.5 keys per row on average
+    pairs = nb.window_pairs(64, nb.WINDOW, 0)
+    for d in ("fwd", "bwd"):
+        got = {x["kind"]: x for x in rec[d]["adjacent"]}
+        assert set(got) == {"equal_work", "equal_work_causal"}
+        assert (got["equal_work"]["seqlen"], got["equal_work"]["batch"]) == (32, 4)
+        assert got["equal_work"]["ratio"] == pytest.approx(pairs * 2 / (4 * 32 * 32))
+        assert (got["equal_work_causal"]["seqlen"], got["equal_work_causal"]["batch"]) == (64, 2)
+        assert got["equal_work_causal"]["ratio"] == pytest.approx(pairs * 2 / (2 * 64 * 64 / 2))
+    assert any(c[0] == (4, 32, 2, 32) and not c[2] for c in calls) and any(c[3] == (nb.WINDOW, 0) for c in calls)
+
+    fail_seqlen.append(32)  # the non-causal equal-work reference fails; the causal one still runs
+    rec = run("window", True, 64)
+    for d in ("fwd", "bwd"):
+        got = {x["kind"]: x for x in rec[d]["adjacent"]}
+        assert got["equal_work"]["ratio"] is None and "no kernel here" in got["equal_work"]["error"]
+        assert got["equal_work_causal"]["ratio"] == pytest.approx(pairs * 2 / (2 * 64 * 64 / 2))
+    fail_seqlen.clear()
+
+    calls.clear()
+    rec = run("deterministic", True, 64)
+    assert [x["ratio"] for d in ("fwd", "bwd") for x in rec[d]["adjacent"]] == [pytest.approx(1.0)] * 2
+    assert {c[5] for c in calls} == {True, False}  # the feature with deterministic=True, the reference without
+
+    rec = run("softcap", False, 64, nb.parse_args(base + ["--no-adjacent"]))
+    assert "adjacent" not in rec["fwd"] and "adjacent" not in rec["bwd"]
+    assert "adjacent" not in run("dense", False, 64)["fwd"]
+
+
+def test_feature_ratios_show_the_references_timed_beside():
+    results = []
+    for causal, s, t in ((False, 16384, 640.0), (True, 16384, 620.0)):
+        rec = {"feature": "dense", "head_dim": 128, "causal": causal, "seqlen": s, "dtype": "bf16"}
+        rec["fwd"] = _part(1e12, {"ours": t, "cudnn": 500.0, "fa2": 300.0})
+        results.append(rec)
+    sc = {"feature": "softcap", "head_dim": 128, "causal": False, "seqlen": 16384, "dtype": "bf16",
+          "fwd": _part(1e12, {"ours": 560.0, "cudnn": None, "fa2": None})}
+    sc["fwd"]["adjacent"] = [{"kind": "same", "causal": False, "seqlen": 16384, "batch": 1, "rounds": 2,
+                              "ours_tflops": 570.0, "reference_tflops": 600.0, "ratio": 0.95}]
+    win = {"feature": "window", "head_dim": 128, "causal": True, "seqlen": 16384, "dtype": "bf16",
+           "fwd": _part(1e12, {"ours": 490.0, "cudnn": None, "fa2": None})}
+    win["fwd"]["adjacent"] = [
+        {"kind": "equal_work", "causal": False, "seqlen": 1024, "batch": 16, "rounds": 2, "ours_tflops": 490.0,
+         "reference_tflops": 576.0, "ratio": 490.0 / 576.0},
+        {"kind": "equal_work_causal", "causal": True, "seqlen": 2048, "batch": 8, "rounds": 2,
+         "error": "RuntimeError: out of memory", "ratio": None},
+    ]
+    results += [sc, win]
+    got = {x["key"][0]: x for x in nb.feature_ratios(results)}
+    assert got["softcap"]["adjacent"]["same"]["ratio"] == pytest.approx(0.95)
+    assert set(got["window"]["adjacent"]) == {"equal_work"}  # the failed reference is left out
+    text = nb.format_summary({"meta": {}, "results": results})
+    assert "| softcap | 128 | no | 16384 | 560 | 0.88 | — | — | 0.95 (same 16384) |" in text
+    assert "| window | 128 | yes | 16384 | 490 | 0.79 | n/a | n/a | 0.85 (equal work 1024) |" in text
 
 
 # ------------------------------------------------------------------------------------------------------- plots
