@@ -71,6 +71,14 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  // Half-block skip: a consumer warpgroup whose rows see no key in the upper half of its first (highest) key block,
+  // e.g. warpgroup 0 on a causal diagonal, or every warpgroup when seqlen_k ends in that block's lower half, computes
+  // that block's QKᵀ and P V on the lower half only (fwd_consumer's kSkipHalf, a second copy of the consumer). Its
+  // P V needs whole k16 steps in each half (not head_dim 192's 112-key blocks). ptxas, 2026-12-03: with two Q buffers
+  // (persistent) the four consumer copies spill where registers are tight (head_dim 128: 740-1180 B, with LDL/STL in
+  // the masked loop; head_dim 64's 192-row tiles: 816-1548 B), none on head_dim 64's 128-row tiles or head_dim 256
+  // (one Q buffer), which are where it is on.
+  static constexpr bool kHalfSkip = kBlockN_ % 32 == 0 && ((kHeadDim_ == 64 && kBlockM_ == 128) || !kPersistent_);
   static constexpr int NumMmaWarpGroups = kBlockM / 64;
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
@@ -204,6 +212,7 @@ struct FwdKernelTraits {
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
     bool pingpong;
+    bool skip_blocks;  // fwd_skips_half on (FAH_FWD_SKIP_BLOCKS=0 turns it off for A/B runs)
     // Tiles (m_block, head, batch), numbered head-major with m_block descending (decode_tile). A CTA starts at tile
     // blockIdx.x and, when tile_counter is set (persistent launch, gridDim.x CTAs), takes further tiles from that
     // zeroed counter: next = atomicAdd(tile_counter, 1) + gridDim.x.
@@ -352,11 +361,32 @@ CUTLASS_DEVICE void fwd_store_o_smem(typename Traits::Params const& params, type
 // and c <= kSoftcapFixedMaxLimit: OnlineSoftmax::step_fixed_max).
 enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 2 };
 
+// Whether warpgroup wg's 64 rows see no key in the upper half of the tile's first key block n_block_max - 1
+// (Window::key_hull_hi), in a tile of two or more key blocks: the kSkipHalf consumer, e.g. warpgroup 0 on a causal
+// diagonal, or every warpgroup when seqlen_k ends in the lower half of the last block. Rows past seqlen_q are not
+// asked (their results are dropped). params.skip_blocks false: never (FAH_FWD_SKIP_BLOCKS=0, development A/B).
+// Whole blocks that a warpgroup does not see (warpgroup 0's first block on a causal diagonal with 64-key blocks or on
+// 192-row tiles) are not skipped: releasing their stages and taking their turn empty, in the consumer or before it,
+// made ptxas spill in the main loops of head_dim 256 (0 -> 104-136 B, 11 LDL per key block) and 128 (+29 instructions
+// per interior key block) on 2026-12-03.
+template <class Traits>
+CUTLASS_DEVICE bool fwd_skips_half(typename Traits::Params const& params, SeqlenInfo const& info, int wg, int m_block,
+                                   int n_block_min, int n_block_max) {
+  if (!params.skip_blocks || n_block_max - n_block_min < 2) { return false; }
+  int const last_row = cute::min(m_block * Traits::kBlockM + wg * 64 + 63, info.seqlen_q - 1);
+  auto const window = make_window<Traits::kBlockM, Traits::kBlockN, Traits::kDocuments>(params, info);
+  return window.key_hull_hi(last_row) <= (n_block_max - 1) * Traits::kBlockN + Traits::kBlockN / 2;
+}
+
 // Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). The softcap mode is a template
 // argument, not a runtime flag: a softcap's live registers made head_dim 256 spill even with the flag off, and both
 // softmax paths in one kernel took head_dim 128's softcap kernel from 8 to 40 B of spills. So is the Q buffer: with
 // a runtime index the Q descriptor stayed live through the main loop and spilled (head_dim 128: 60 B).
-template <class Traits, int kSoftcapMode, int kQBuf>
+// kSkipHalf: fwd_skips_half holds for this warpgroup; the first key block's QKᵀ and P V then run on its lower half. A
+// template argument, like the Q buffer: a runtime choice between WGMMAs on the same accumulators makes ptxas serialise
+// every WGMMA of the kernel (benchmarks/NOTES.md, session 17; a shuffled flag too, 2026-12-03: 368 warpgroup arrives
+// against 40).
+template <class Traits, int kSoftcapMode, int kQBuf, bool kSkipHalf>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
@@ -482,11 +512,33 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     int n_block = n_block_max - 1;
     stage_wait(ss.pipeline_k, k_state);
     wait_turn();
-    wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+    constexpr int kHalfS = decltype(size(tSrS))::value / 2;  // S registers of the lower key half come first
+    if constexpr (kSkipHalf) {
+      static_assert(Traits::kHalfSkip);
+      Tensor s0 = make_tensor(tSrS.data(), SHalfLayout{});
+      warpgroup_fence_operand(tSrS);
+      warpgroup_arrive();
+      tiled_mma_qk_half.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < size<2>(tSrQh); ++k_block) {
+        cute::gemm(tiled_mma_qk_half, tSrQh(_, 0, k_block), tSrKh(_, 0, k_block, k_state.index()), s0(_, 0, 0));
+        tiled_mma_qk_half.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(tSrS);
+    } else {
+      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+    }
     pass_turn();
     warpgroup_wait<0>();
     stage_release(ss.pipeline_k, k_state);
     ++k_state;
+    if constexpr (kSkipHalf) {
+      warpgroup_fence_operand(tSrS);
+      // Masked for this warpgroup's rows by the window below; -inf also for rows past seqlen_q (results dropped).
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = kHalfS; i < 2 * kHalfS; ++i) { tSrS(i) = -INFINITY; }
+    }
     bool const first_masked = boundary(n_block);
     prepare_scores(tSrS, n_block, first_masked);
     cute::array<float, kRows> rescale;
@@ -495,7 +547,13 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
     // One key block after the first; masked: whether the mask crosses it (boundary), a compile-time constant where
     // Traits::kSplitMaskLoop, so that the interior blocks run a loop with no mask code (or its live values) in it.
-    auto step = [&](int n_block, auto masked) {
+    // half_pv: P of the previous block is zero in its upper key half (kSkipHalf's first block), so P V takes the lower.
+    constexpr int kPVKBlocks = decltype(size<2>(tOrP))::value;
+    auto pv = [&](auto half_pv) {
+      constexpr int kK = decltype(half_pv)::value ? kPVKBlocks / 2 : kPVKBlocks;
+      wgmma</*zero_init=*/false, kK>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+    };
+    auto step = [&](int n_block, auto masked, auto half_pv) {
       Tensor tSrS = S();
       stage_wait(ss.pipeline_k, k_state);
       stage_wait(ss.pipeline_v, v_state);
@@ -520,7 +578,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
           warpgroup_commit_batch();
         }
         warpgroup_fence_operand(tSrS);
-        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+        pv(half_pv);
         pass_turn();
         warpgroup_wait<2>();  // the first half of S
         warpgroup_fence_operand(tSrS);
@@ -542,7 +600,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         if (masked) { window.apply(tSrS, tScS, m_block, n_block); }
       } else {
         wgmma</*zero_init=*/true>(tiled_mma_qk, q_operand(), tSrK(_, _, _, k_state.index()), tSrS);
-        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+        pv(half_pv);
         pass_turn();
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
         stage_release(ss.pipeline_k, k_state);
@@ -559,19 +617,23 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     // Blocks descend: those at or past interior_hi (the causal diagonal or a window's right edge, seqlen_k, a
     // document's end), then the interior run, then those below interior_lo (a window's left edge, a document's start);
     // with no interior run every block is masked.
-    if constexpr (Traits::kSplitMaskLoop) {
+    --n_block;
+    if constexpr (kSkipHalf) {  // the caller saw at least two key blocks
+      step(n_block, cute::true_type{}, cute::true_type{});
       --n_block;
+    }
+    if constexpr (Traits::kSplitMaskLoop) {
       while (n_block >= n_block_min) {
         if (boundary(n_block)) {
-          step(n_block, cute::true_type{});
+          step(n_block, cute::true_type{}, cute::false_type{});
           --n_block;
         } else {
           int const n_end = cute::max(interior_lo, n_block_min);
-          for (; n_block >= n_end; --n_block) { step(n_block, cute::false_type{}); }
+          for (; n_block >= n_end; --n_block) { step(n_block, cute::false_type{}, cute::false_type{}); }
         }
       }
     } else {
-      for (--n_block; n_block >= n_block_min; --n_block) { step(n_block, boundary(n_block)); }
+      for (; n_block >= n_block_min; --n_block) { step(n_block, boundary(n_block), cute::false_type{}); }
     }
 
     // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
@@ -693,12 +755,25 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       typename Traits::TileInfo const t = ss.tile_info[q_buf];
       SeqlenInfo const& info = t.info;
       int const m_block = t.m_block, bidh = t.bidh, n_block_min = t.n_block_min, n_block_max = t.n_block_max;
-      if (q_buf == 0) {
-        fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
-                                          n_block_max);
-      } else if constexpr (Traits::kQBuffers > 1) {
-        fwd_consumer<Traits, kSoftcapMode, 1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
-                                          n_block_max);
+      auto consumer = [&](auto q_buf_c, auto skip_half_c) __attribute__((always_inline)) {
+        fwd_consumer<Traits, kSoftcapMode, decltype(q_buf_c)::value, decltype(skip_half_c)::value>(
+            params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min, n_block_max);
+      };
+      auto with_q_buf = [&](auto skip_half_c) __attribute__((always_inline)) {
+        if (q_buf == 0) {
+          consumer(cute::Int<0>{}, skip_half_c);
+        } else if constexpr (Traits::kQBuffers > 1) {
+          consumer(cute::Int<1>{}, skip_half_c);
+        }
+      };
+      if constexpr (Traits::kHalfSkip) {
+        if (fwd_skips_half<Traits>(params, info, wg, m_block, n_block_min, n_block_max)) {
+          with_q_buf(cute::true_type{});
+        } else {
+          with_q_buf(cute::false_type{});
+        }
+      } else {
+        with_q_buf(cute::false_type{});
       }
       if constexpr (!Traits::kPersistent) { break; }
     }
