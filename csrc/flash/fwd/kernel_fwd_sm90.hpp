@@ -619,7 +619,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     // with no interior run every block is masked.
     --n_block;
     if constexpr (kSkipHalf) {  // the caller saw at least two key blocks
-      step(n_block, cute::true_type{}, cute::true_type{});
+      step(n_block, boundary(n_block), cute::true_type{});
       --n_block;
     }
     if constexpr (Traits::kSplitMaskLoop) {
