@@ -71,14 +71,14 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  // Half-block skip: a consumer warpgroup whose rows see no key in the upper half of its first (highest) key block,
-  // e.g. warpgroup 0 on a causal diagonal, or every warpgroup when seqlen_k ends in that block's lower half, computes
-  // that block's QKᵀ and P V on the lower half only (fwd_consumer's kSkipHalf, a second copy of the consumer). Its
-  // P V needs whole k16 steps in each half (not head_dim 192's 112-key blocks). ptxas, 2026-12-03: with two Q buffers
-  // (persistent) the four consumer copies spill where registers are tight (head_dim 128: 740-1180 B, with LDL/STL in
-  // the masked loop; head_dim 64's 192-row tiles: 816-1548 B), none on head_dim 64's 128-row tiles or head_dim 256
-  // (one Q buffer), which are where it is on.
-  static constexpr bool kHalfSkip = kBlockN_ % 32 == 0 && ((kHeadDim_ == 64 && kBlockM_ == 128) || !kPersistent_);
+  // Half-block skip (fwd_skips_half): a consumer warpgroup whose rows see no key in the upper half of its first key
+  // block (warpgroup 0 on every causal diagonal; both where the tile's last visible key lies in the lower half of
+  // its block) runs that block's QKᵀ and P V on the lower half only, chosen at run time in fwd_consumer. Only head_dim
+  // 256: ptxas (2026-12-03) serialises every WGMMA of the kernel for the run-time choice at head_dim 128 (C7520, with
+  // the main loop outlined) and at head_dim 64 (C7511), and a second copy of the whole consumer chosen per tile, which
+  // compiles without that, ran head_dim 64's causal forward 25-31 % slower at 512-2048 on the H200 (two copies of the
+  // main loop running at once on an SM; benchmarks/NOTES.md, session 28) and spilled at head_dim 128 (740-1180 B).
+  static constexpr bool kHalfSkip = kHeadDim_ == 256 && kBlockN_ % 32 == 0;
   static constexpr int NumMmaWarpGroups = kBlockM / 64;
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
@@ -362,7 +362,7 @@ CUTLASS_DEVICE void fwd_store_o_smem(typename Traits::Params const& params, type
 enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 2 };
 
 // Whether warpgroup wg's 64 rows see no key in the upper half of the tile's first key block n_block_max - 1
-// (Window::key_hull_hi), in a tile of two or more key blocks: the kSkipHalf consumer, e.g. warpgroup 0 on a causal
+// (Window::key_hull_hi), in a tile of two or more key blocks (fwd_consumer's skip_half), e.g. warpgroup 0 on a causal
 // diagonal, or every warpgroup when seqlen_k ends in the lower half of the last block. Rows past seqlen_q are not
 // asked (their results are dropped). params.skip_blocks false: never (FAH_FWD_SKIP_BLOCKS=0, development A/B).
 // Whole blocks that a warpgroup does not see (warpgroup 0's first block on a causal diagonal with 64-key blocks or on
@@ -382,11 +382,7 @@ CUTLASS_DEVICE bool fwd_skips_half(typename Traits::Params const& params, Seqlen
 // argument, not a runtime flag: a softcap's live registers made head_dim 256 spill even with the flag off, and both
 // softmax paths in one kernel took head_dim 128's softcap kernel from 8 to 40 B of spills. So is the Q buffer: with
 // a runtime index the Q descriptor stayed live through the main loop and spilled (head_dim 128: 60 B).
-// kSkipHalf: fwd_skips_half holds for this warpgroup; the first key block's QKᵀ and P V then run on its lower half. A
-// template argument, like the Q buffer: a runtime choice between WGMMAs on the same accumulators makes ptxas serialise
-// every WGMMA of the kernel (benchmarks/NOTES.md, session 17; a shuffled flag too, 2026-12-03: 368 warpgroup arrives
-// against 40).
-template <class Traits, int kSoftcapMode, int kQBuf, bool kSkipHalf>
+template <class Traits, int kSoftcapMode, int kQBuf>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
@@ -513,8 +509,15 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     stage_wait(ss.pipeline_k, k_state);
     wait_turn();
     constexpr int kHalfS = decltype(size(tSrS))::value / 2;  // S registers of the lower key half come first
-    if constexpr (kSkipHalf) {
-      static_assert(Traits::kHalfSkip);
+    // The half-block skip (Traits::kHalfSkip): the same value in every thread of the warpgroup, broadcast so that
+    // ptxas sees it as uniform.
+    bool skip_half = false;
+    if constexpr (Traits::kHalfSkip) {
+      skip_half = __shfl_sync(0xffffffffu, int(fwd_skips_half<Traits>(params, info, wg, m_block, n_block_min,
+                                                                       n_block_max)), 0) != 0;
+    }
+    // Each alternative waits for its own WGMMAs before the paths join.
+    if (skip_half) {
       Tensor s0 = make_tensor(tSrS.data(), SHalfLayout{});
       warpgroup_fence_operand(tSrS);
       warpgroup_arrive();
@@ -526,14 +529,18 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       }
       warpgroup_commit_batch();
       warpgroup_fence_operand(tSrS);
+      pass_turn();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
     } else {
       wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+      pass_turn();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
     }
-    pass_turn();
-    warpgroup_wait<0>();
     stage_release(ss.pipeline_k, k_state);
     ++k_state;
-    if constexpr (kSkipHalf) {
+    if (skip_half) {
       warpgroup_fence_operand(tSrS);
       // Masked for this warpgroup's rows by the window below; -inf also for rows past seqlen_q (results dropped).
       CUTLASS_PRAGMA_UNROLL
@@ -547,7 +554,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
     // One key block after the first; masked: whether the mask crosses it (boundary), a compile-time constant where
     // Traits::kSplitMaskLoop, so that the interior blocks run a loop with no mask code (or its live values) in it.
-    // half_pv: P of the previous block is zero in its upper key half (kSkipHalf's first block), so P V takes the lower.
+    // half_pv: P of the previous block is zero in its upper key half (skip_half's first block), so P V takes the lower.
     constexpr int kPVKBlocks = decltype(size<2>(tOrP))::value;
     auto pv = [&](auto half_pv) {
       constexpr int kK = decltype(half_pv)::value ? kPVKBlocks / 2 : kPVKBlocks;
@@ -618,7 +625,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     // document's end), then the interior run, then those below interior_lo (a window's left edge, a document's start);
     // with no interior run every block is masked.
     --n_block;
-    if constexpr (kSkipHalf) {  // the caller saw at least two key blocks
+    if (skip_half) {  // at least two key blocks (fwd_skips_half); the step waits for its WGMMAs
       step(n_block, boundary(n_block), cute::true_type{});
       --n_block;
     }
@@ -755,25 +762,12 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       typename Traits::TileInfo const t = ss.tile_info[q_buf];
       SeqlenInfo const& info = t.info;
       int const m_block = t.m_block, bidh = t.bidh, n_block_min = t.n_block_min, n_block_max = t.n_block_max;
-      auto consumer = [&](auto q_buf_c, auto skip_half_c) __attribute__((always_inline)) {
-        fwd_consumer<Traits, kSoftcapMode, decltype(q_buf_c)::value, decltype(skip_half_c)::value>(
-            params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min, n_block_max);
-      };
-      auto with_q_buf = [&](auto skip_half_c) __attribute__((always_inline)) {
-        if (q_buf == 0) {
-          consumer(cute::Int<0>{}, skip_half_c);
-        } else if constexpr (Traits::kQBuffers > 1) {
-          consumer(cute::Int<1>{}, skip_half_c);
-        }
-      };
-      if constexpr (Traits::kHalfSkip) {
-        if (fwd_skips_half<Traits>(params, info, wg, m_block, n_block_min, n_block_max)) {
-          with_q_buf(cute::true_type{});
-        } else {
-          with_q_buf(cute::false_type{});
-        }
-      } else {
-        with_q_buf(cute::false_type{});
+      if (q_buf == 0) {
+        fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
+                                          n_block_max);
+      } else if constexpr (Traits::kQBuffers > 1) {
+        fwd_consumer<Traits, kSoftcapMode, 1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
+                                          n_block_max);
       }
       if constexpr (!Traits::kPersistent) { break; }
     }
