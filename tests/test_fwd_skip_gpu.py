@@ -1,8 +1,7 @@
 """The forward's half-block skip (csrc/flash/fwd/kernel_fwd_sm90.hpp, fwd_skips_half): a consumer warpgroup whose 64
 rows see no key in the upper half of its tile's first key block computes that block's QKᵀ and P V on the lower half
-only (head_dim 64 on 128-row tiles, head_dim 256). Warpgroup 0 does so on every causal diagonal; both warpgroups do
-when the last visible key of the tile lies in the lower half of its block (seqlen_k, or the causal offset, 1-64 past a
-block boundary).
+only (head_dim 256, whose key blocks are 64 wide: keys 32-63 of the block). Warpgroup 0 does so on every causal
+diagonal; both warpgroups do when the last visible key of the tile lies in the lower half of its block.
 
 - The skip changes no bit of O or LSE: the upper half's P is exactly 0, so its products add nothing. Each case runs in
   two fresh processes, FAH_FWD_SKIP_BLOCKS=0 (no skip) and the default, on the same inputs.
@@ -11,8 +10,8 @@ block boundary).
   skip never runs.
 
 Accuracy against the reference with the skip on is what the forward test files check (tests/test_fwd_boundary_gpu.py
-puts mask edges on and off the 64-row and 64-key grid; tests/test_fwd_tiles_gpu.py runs them on head_dim 64's
-128-row tiles). Skipped, with the reason, without an sm90 GPU and the built extension (see conftest.py)."""
+puts mask edges on and off the 64-row grid and the key blocks' halves). Skipped, with the reason, without an sm90 GPU
+and the built extension (see conftest.py)."""
 
 import json
 import os
@@ -28,14 +27,16 @@ from gpu_helpers import DTYPES, require_built
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
+HEAD_DIM = 256  # the one kernel width with the skip (FwdKernelTraits::kHalfSkip)
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
 PRELUDE = f"import sys; sys.path.insert(0, {PACKAGE_ROOT!r})\n"
 
 # (seqlen_q, seqlen_k, causal, window, softcap, nheads, nheads_k, varlen lengths q / k or None)
 CASES = [
     (1000, 1000, True, (-1, -1), 0.0, 3, 3, None),  # warpgroup 0 skips on every diagonal
-    (1000, 1040, True, (-1, -1), 0.0, 3, 3, None),  # offset 40: both warpgroups skip
-    (513, 700, False, (-1, -1), 0.0, 3, 3, None),  # 700 = 5 x 128 + 60: both skip the last block's upper half
+    (1000, 1020, True, (-1, -1), 0.0, 3, 3, None),  # offset 20: both warpgroups skip
+    (513, 700, False, (-1, -1), 0.0, 3, 3, None),  # 700 = 10 x 64 + 60: the last key block is nearly full: none skips
+    (513, 680, False, (-1, -1), 0.0, 3, 3, None),  # 680 = 10 x 64 + 40: both skip the last block's upper half
     (513, 700, False, (17, 3), 0.0, 3, 3, None),
     (513, 700, False, (0, 0), 0.0, 3, 3, None),
     (1000, 1000, True, (-1, -1), 30.0, 3, 3, None),  # bf16: the fixed-maximum softcap; fp16: the online one
@@ -43,7 +44,7 @@ CASES = [
     (777, 777, True, (300, 0), 0.0, 2, 2, None),
     (None, None, True, (-1, -1), 0.0, 3, 3, ([0, 77, 0, 130, 5, 300], [10, 77, 0, 60, 200, 300])),
 ]
-CASE_IDS = ["causal", "causal-offset40", "keys700", "window17_3", "window0_0", "causal-cap30", "gqa", "window300_0",
+CASE_IDS = ["causal", "causal-offset20", "keys700", "keys680", "window17_3", "window0_0", "causal-cap30", "gqa", "window300_0",
             "varlen"]
 
 _CHILD = r"""
@@ -75,8 +76,6 @@ def _run_child(head_dim, dtype, out_path, skip):
     env.pop("FAH_FWD_SKIP_BLOCKS", None)
     if not skip:
         env["FAH_FWD_SKIP_BLOCKS"] = "0"
-    if head_dim == 64:
-        env["FAH_FWD_BLOCK_M"] = "128"  # the tiles that have the skip (192-row tiles do not)
     arg = json.dumps([head_dim, str(dtype).split(".")[-1], CASES, str(out_path)])
     r = subprocess.run([sys.executable, "-c", PRELUDE + _CHILD, arg], capture_output=True, text=True, timeout=300,
                        env=env)
@@ -85,11 +84,10 @@ def _run_child(head_dim, dtype, out_path, skip):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_skip_changes_no_bit(head_dim, dtype, tmp_path):
-    require_built(head_dim, dtype)
-    with_skip = _run_child(head_dim, dtype, tmp_path / "skip.pt", skip=True)
-    without = _run_child(head_dim, dtype, tmp_path / "noskip.pt", skip=False)
+def test_skip_changes_no_bit(dtype, tmp_path):
+    require_built(HEAD_DIM, dtype)
+    with_skip = _run_child(HEAD_DIM, dtype, tmp_path / "skip.pt", skip=True)
+    without = _run_child(HEAD_DIM, dtype, tmp_path / "noskip.pt", skip=False)
     for name, (out, lse), (out0, lse0) in zip(CASE_IDS, with_skip, without):
         assert torch.isfinite(out).all(), name
         assert torch.equal(out, out0), f"{name}: O differs with the skip"
@@ -122,19 +120,15 @@ print("CHECKED")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_skipped_half_is_not_read(head_dim, dtype):
-    """Causal, 256 x 256, one head: the second query tile (rows 128-255) starts at the key block holding keys up to
-    255; its warpgroup 0 (rows 128-191) sees keys up to 191 and skips the block's upper half (keys 192-255 with
-    head_dim 64's 128-key blocks, 224-255 with head_dim 256's 64-key blocks). V of key 230 is +inf; rows 128-191 must
-    be finite and match the reference, which leaves that key out. In a fresh process: head_dim 64 on its 128-row
-    tiles (FAH_FWD_BLOCK_M=128, read once per process)."""
-    require_built(head_dim, dtype)
+def test_skipped_half_is_not_read(dtype):
+    """Causal, 256 x 256, one head: the second query tile (rows 128-255) starts at the key block of keys 192-255; its
+    warpgroup 0 (rows 128-191) sees keys up to 191 and skips the block's upper half, keys 224-255. V of key 230 is
+    +inf; rows 128-191 must be finite and match the reference, which leaves that key out. In a fresh process, with
+    the skip's switch (FAH_FWD_SKIP_BLOCKS) unset."""
+    require_built(HEAD_DIM, dtype)
     env = dict(os.environ)
     env.pop("FAH_FWD_SKIP_BLOCKS", None)
-    if head_dim == 64:
-        env["FAH_FWD_BLOCK_M"] = "128"
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", PRELUDE + _INF_CHILD, str(head_dim), str(dtype).split(".")[-1],
+    r = subprocess.run([sys.executable, "-c", PRELUDE + _INF_CHILD, str(HEAD_DIM), str(dtype).split(".")[-1],
                         tests_dir], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "CHECKED" in r.stdout, (r.stdout + r.stderr)[-3000:]
