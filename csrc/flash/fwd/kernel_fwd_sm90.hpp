@@ -28,6 +28,10 @@
 #define FAH_SPLIT_QK 1
 #endif
 
+#ifndef FAH_RT_QBUF
+#define FAH_RT_QBUF 1
+#endif
+
 namespace flash {
 
 using namespace cute;
@@ -386,8 +390,8 @@ template <class Traits, int kSoftcapMode, int kQBuf>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
-                                 int n_block_max) {
-  constexpr int q_buf = kQBuf;
+                                 int n_block_max, int q_buf_rt = 0) {
+  int const q_buf = kQBuf >= 0 ? kQBuf : q_buf_rt;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr bool kSoftcap = kSoftcapMode != kNoSoftcap, kFixedMax = kSoftcapMode == kSoftcapFixedMax;
@@ -762,7 +766,10 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       typename Traits::TileInfo const t = ss.tile_info[q_buf];
       SeqlenInfo const& info = t.info;
       int const m_block = t.m_block, bidh = t.bidh, n_block_min = t.n_block_min, n_block_max = t.n_block_max;
-      if (q_buf == 0) {
+      if constexpr (FAH_RT_QBUF && Traits::kNarrow64) {
+        fwd_consumer<Traits, kSoftcapMode, -1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
+                                          n_block_max, q_buf);
+      } else if (q_buf == 0) {
         fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
                                           n_block_max);
       } else if constexpr (Traits::kQBuffers > 1) {
