@@ -766,7 +766,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       typename Traits::TileInfo const t = ss.tile_info[q_buf];
       SeqlenInfo const& info = t.info;
       int const m_block = t.m_block, bidh = t.bidh, n_block_min = t.n_block_min, n_block_max = t.n_block_max;
-      if constexpr (FAH_RT_QBUF && (Traits::kNarrow64 || Traits::kHeadDim == 128)) {
+      if constexpr (FAH_RT_QBUF && Traits::kQBuffers > 1) {
         fwd_consumer<Traits, kSoftcapMode, -1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
                                           n_block_max, q_buf);
       } else if (q_buf == 0) {
