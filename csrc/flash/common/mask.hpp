@@ -53,14 +53,6 @@ struct Window {
     n_block_max = hi <= lo ? n_block_min : cute::ceil_div(hi, kBlockN);
   }
 
-  // One past the last key that rows up to last_row (< seqlen_q) see: window and document ends are nondecreasing in
-  // the row (n_block_range's sum for a tile's last row).
-  CUTLASS_DEVICE int key_hull_hi(int last_row) const {
-    int hi = cute::min(last_row + offset() + window_right + 1, seqlen_k);
-    if (documents()) { hi = cute::min(hi, doc_hi(last_row)); }
-    return hi;
-  }
-
   // Query blocks [m_block_min, m_block_max) holding at least one row that sees some key of key block n_block.
   CUTLASS_DEVICE void m_block_range(int n_block, int& m_block_min, int& m_block_max) const {
     int const first_key = n_block * kBlockN;

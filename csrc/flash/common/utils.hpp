@@ -21,13 +21,10 @@ constexpr bool register_budget_fits() {
   return kProducerRegs + (kWarpGroups - 1) * kConsumerRegs <= kWarpGroups * (65536 / kThreads / 8 * 8);
 }
 
-// Issues one asynchronous WGMMA over the first kKBlocks k-blocks of A and B (all of them by default) into C and
-// commits it as one batch. The caller waits (warpgroup_wait<N>) before reading C. zero_init overwrites C instead of
-// accumulating.
-template <bool zero_init, int kKBlocks = -1, class TiledMma, class TensorA, class TensorB, class TensorC>
+// Issues one asynchronous WGMMA over all k-blocks of A and B into C and commits it as one batch.
+// The caller waits (warpgroup_wait<N>) before reading C. zero_init overwrites C instead of accumulating.
+template <bool zero_init, class TiledMma, class TensorA, class TensorB, class TensorC>
 CUTLASS_DEVICE void wgmma(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB, TensorC& tCrC) {
-  constexpr int kEnd = kKBlocks < 0 ? int(decltype(size<2>(tCrA))::value) : kKBlocks;
-  static_assert(kEnd > 0 && kEnd <= decltype(size<2>(tCrA))::value);
   // An A operand in registers must be fenced too, or the compiler may move its writes past the WGMMA.
   constexpr bool kARegs =
       !cute::is_same_v<cute::remove_cvref_t<decltype(tCrA.data())>, GMMA::DescriptorIterator>;
@@ -36,7 +33,7 @@ CUTLASS_DEVICE void wgmma(TiledMma& tiled_mma, TensorA const& tCrA, TensorB cons
   warpgroup_arrive();
   if constexpr (zero_init) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
   CUTLASS_PRAGMA_UNROLL
-  for (int k_block = 0; k_block < kEnd; ++k_block) {
+  for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
     cute::gemm(tiled_mma, tCrA(_, _, k_block), tCrB(_, _, k_block), tCrC);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }

@@ -71,14 +71,6 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  // Half-block skip (fwd_skips_half): a consumer warpgroup whose rows see no key in the upper half of its first key
-  // block (warpgroup 0 on every causal diagonal; both where the tile's last visible key lies in the lower half of
-  // its block) runs that block's QKᵀ and P V on the lower half only, chosen at run time in fwd_consumer. Only head_dim
-  // 256: ptxas (2026-12-03) serialises every WGMMA of the kernel for the run-time choice at head_dim 128 (C7520, with
-  // the main loop outlined) and at head_dim 64 (C7511), and a second copy of the whole consumer chosen per tile, which
-  // compiles without that, ran head_dim 64's causal forward 25-31 % slower at 512-2048 on the H200 (two copies of the
-  // main loop running at once on an SM; benchmarks/NOTES.md, session 28) and spilled at head_dim 128 (740-1180 B).
-  static constexpr bool kHalfSkip = kHeadDim_ == 256 && kBlockN_ % 32 == 0;
   static constexpr int NumMmaWarpGroups = kBlockM / 64;
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
@@ -212,7 +204,6 @@ struct FwdKernelTraits {
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
     bool pingpong;
-    bool skip_blocks;  // fwd_skips_half on (FAH_FWD_SKIP_BLOCKS=0 turns it off for A/B runs)
     // Tiles (m_block, head, batch), numbered head-major with m_block descending (decode_tile). A CTA starts at tile
     // blockIdx.x and, when tile_counter is set (persistent launch, gridDim.x CTAs), takes further tiles from that
     // zeroed counter: next = atomicAdd(tile_counter, 1) + gridDim.x.
@@ -361,23 +352,6 @@ CUTLASS_DEVICE void fwd_store_o_smem(typename Traits::Params const& params, type
 // and c <= kSoftcapFixedMaxLimit: OnlineSoftmax::step_fixed_max).
 enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 2 };
 
-// Whether warpgroup wg's 64 rows see no key in the upper half of the tile's first key block n_block_max - 1
-// (Window::key_hull_hi), in a tile of two or more key blocks (fwd_consumer's skip_half), e.g. warpgroup 0 on a causal
-// diagonal, or every warpgroup when seqlen_k ends in the lower half of the last block. Rows past seqlen_q are not
-// asked (their results are dropped). params.skip_blocks false: never (FAH_FWD_SKIP_BLOCKS=0, development A/B).
-// Whole blocks that a warpgroup does not see (warpgroup 0's first block on a causal diagonal with 64-key blocks or on
-// 192-row tiles) are not skipped: releasing their stages and taking their turn empty, in the consumer or before it,
-// made ptxas spill in the main loops of head_dim 256 (0 -> 104-136 B, 11 LDL per key block) and 128 (+29 instructions
-// per interior key block) on 2026-12-03.
-template <class Traits>
-CUTLASS_DEVICE bool fwd_skips_half(typename Traits::Params const& params, SeqlenInfo const& info, int wg, int m_block,
-                                   int n_block_min, int n_block_max) {
-  if (!params.skip_blocks || n_block_max - n_block_min < 2) { return false; }
-  int const last_row = cute::min(m_block * Traits::kBlockM + wg * 64 + 63, info.seqlen_q - 1);
-  auto const window = make_window<Traits::kBlockM, Traits::kBlockN, Traits::kDocuments>(params, info);
-  return window.key_hull_hi(last_row) <= (n_block_max - 1) * Traits::kBlockN + Traits::kBlockN / 2;
-}
-
 // Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). The softcap mode is a template
 // argument, not a runtime flag: a softcap's live registers made head_dim 256 spill even with the flag off, and both
 // softmax paths in one kernel took head_dim 128's softcap kernel from 8 to 40 B of spills. The Q buffer (q_buf) is a
@@ -510,44 +484,11 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     int n_block = n_block_max - 1;
     stage_wait(ss.pipeline_k, k_state);
     wait_turn();
-    constexpr int kHalfS = decltype(size(tSrS))::value / 2;  // S registers of the lower key half come first
-    // The half-block skip (Traits::kHalfSkip): the same value in every thread of the warpgroup, broadcast so that
-    // ptxas sees it as uniform.
-    bool skip_half = false;
-    if constexpr (Traits::kHalfSkip) {
-      skip_half = __shfl_sync(0xffffffffu, int(fwd_skips_half<Traits>(params, info, wg, m_block, n_block_min,
-                                                                       n_block_max)), 0) != 0;
-    }
-    // Each alternative waits for its own WGMMAs before the paths join.
-    if (skip_half) {
-      Tensor s0 = make_tensor(tSrS.data(), SHalfLayout{});
-      warpgroup_fence_operand(tSrS);
-      warpgroup_arrive();
-      tiled_mma_qk_half.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < size<2>(tSrQh); ++k_block) {
-        cute::gemm(tiled_mma_qk_half, tSrQh(_, 0, k_block), tSrKh(_, 0, k_block, k_state.index()), s0(_, 0, 0));
-        tiled_mma_qk_half.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_fence_operand(tSrS);
-      pass_turn();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-    } else {
-      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
-      pass_turn();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-    }
+    wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+    pass_turn();
+    warpgroup_wait<0>();
     stage_release(ss.pipeline_k, k_state);
     ++k_state;
-    if (skip_half) {
-      warpgroup_fence_operand(tSrS);
-      // Masked for this warpgroup's rows by the window below; -inf also for rows past seqlen_q (results dropped).
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = kHalfS; i < 2 * kHalfS; ++i) { tSrS(i) = -INFINITY; }
-    }
     bool const first_masked = boundary(n_block);
     prepare_scores(tSrS, n_block, first_masked);
     cute::array<float, kRows> rescale;
@@ -556,13 +497,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
     // One key block after the first; masked: whether the mask crosses it (boundary), a compile-time constant where
     // Traits::kSplitMaskLoop, so that the interior blocks run a loop with no mask code (or its live values) in it.
-    // half_pv: P of the previous block is zero in its upper key half (skip_half's first block), so P V takes the lower.
-    constexpr int kPVKBlocks = decltype(size<2>(tOrP))::value;
-    auto pv = [&](auto half_pv) {
-      constexpr int kK = decltype(half_pv)::value ? kPVKBlocks / 2 : kPVKBlocks;
-      wgmma</*zero_init=*/false, kK>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
-    };
-    auto step = [&](int n_block, auto masked, auto half_pv) {
+    auto step = [&](int n_block, auto masked) {
       Tensor tSrS = S();
       stage_wait(ss.pipeline_k, k_state);
       stage_wait(ss.pipeline_v, v_state);
@@ -587,7 +522,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
           warpgroup_commit_batch();
         }
         warpgroup_fence_operand(tSrS);
-        pv(half_pv);
+        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
         pass_turn();
         warpgroup_wait<2>();  // the first half of S
         warpgroup_fence_operand(tSrS);
@@ -609,7 +544,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         if (masked) { window.apply(tSrS, tScS, m_block, n_block); }
       } else {
         wgmma</*zero_init=*/true>(tiled_mma_qk, q_operand(), tSrK(_, _, _, k_state.index()), tSrS);
-        pv(half_pv);
+        wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
         pass_turn();
         warpgroup_wait<1>();  // S of this block is ready; P V of the previous one may still run
         stage_release(ss.pipeline_k, k_state);
@@ -626,23 +561,19 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     // Blocks descend: those at or past interior_hi (the causal diagonal or a window's right edge, seqlen_k, a
     // document's end), then the interior run, then those below interior_lo (a window's left edge, a document's start);
     // with no interior run every block is masked.
-    --n_block;
-    if (skip_half) {  // at least two key blocks (fwd_skips_half); the step waits for its WGMMAs
-      step(n_block, boundary(n_block), cute::true_type{});
-      --n_block;
-    }
     if constexpr (Traits::kSplitMaskLoop) {
+      --n_block;
       while (n_block >= n_block_min) {
         if (boundary(n_block)) {
-          step(n_block, cute::true_type{}, cute::false_type{});
+          step(n_block, cute::true_type{});
           --n_block;
         } else {
           int const n_end = cute::max(interior_lo, n_block_min);
-          for (; n_block >= n_end; --n_block) { step(n_block, cute::false_type{}, cute::false_type{}); }
+          for (; n_block >= n_end; --n_block) { step(n_block, cute::false_type{}); }
         }
       }
     } else {
-      for (; n_block >= n_block_min; --n_block) { step(n_block, boundary(n_block), cute::false_type{}); }
+      for (--n_block; n_block >= n_block_min; --n_block) { step(n_block, boundary(n_block)); }
     }
 
     // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.

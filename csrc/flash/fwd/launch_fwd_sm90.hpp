@@ -29,16 +29,6 @@ inline int fwd_persistent_max_key_blocks() {
   return value;
 }
 
-// The forward's half-block skip (fwd_skips_half in kernel_fwd_sm90.hpp); FAH_FWD_SKIP_BLOCKS=0 turns it off (development
-// A/B, read once per process).
-inline bool fwd_skip_blocks() {
-  static bool const value = [] {
-    char const* v = std::getenv("FAH_FWD_SKIP_BLOCKS");
-    return v == nullptr || v[0] != '0';
-  }();
-  return value;
-}
-
 template <class Element, int kHeadDim, class Cfg>
 cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kPersistent,
@@ -111,7 +101,6 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       window_right,
       p.doc_bounds,
       p.pingpong && Cfg::kPingpong,
-      fwd_skip_blocks(),
       num_m_blocks,
       int(num_tiles),
       persistent ? p.tile_counter : nullptr,
