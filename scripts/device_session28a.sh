@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Kept as a record: needs a build with the half-block skip, removed in c14cfef (patch in
+# benchmarks/results/2026-12-03_h200_session28/fwd_half_skip_consumer_copies_NOT_KEPT.patch).
 # Session 28 call 1 (build made on the CPU machine, .prebuilt/pack/p.tar.xz): HS = head_dim 64/128/256 bf16 with the
 # forward's half-block skip (fwd_skips_half). The new skip tests, then the forward test files (head_dim 64's 128-row
 # tiles forced too, in tests/test_fwd_tiles_gpu.py), on HS.

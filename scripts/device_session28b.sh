@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Kept as a record: needs a build with the half-block skip, removed in c14cfef (patch in
+# benchmarks/results/2026-12-03_h200_session28/fwd_half_skip_consumer_copies_NOT_KEPT.patch).
 # Session 28 call 2: HS2 = HS with the peeled second key block of a skipping warpgroup masked only where the mask
 # crosses it (as in the loop; forced masked, the fixed-maximum softcap took its rounding correction there too, which
 # made call 1's bitwise test differ at head_dim 64 bf16 softcap 30). The skip tests on HS2, then an A/B of the skip

@@ -29,7 +29,7 @@ for x in recs:
 print("executed warp instructions by opcode (top 10):")
 for o, c in ops.most_common(10):
     print(f"  {o:10s} {c:12d}")
-# The consumer is instantiated per Q buffer, so the loop can exist in two copies with different counts: take every
+# The consumer is instantiated per Q buffer (but at head_dim 64), so the loop can exist in two copies with different counts: take every
 # HGMMA execution count of at least a tenth of the largest (or the one given).
 counts = collections.Counter(x[0] for x in recs if x[1].startswith("HGMMA") and x[0] > 0)
 loop_ns = [int(sys.argv[2])] if len(sys.argv) > 2 else sorted(n for n in counts if n >= max(counts) / 10)

@@ -51,12 +51,13 @@ struct FwdTileConfig<64> {
 // head_dim 64, 192 rows: three consumer warpgroups at 160 registers (producer 32), as FlashAttention-3 runs head_dim
 // 64: the exp-bound softmax of one warpgroup hides under two others' GEMMs. Until session 23 the consumers spilled the
 // softmax row state and four loop-invariant 64-bit values, reloaded every key block (ptxas: 164 B stores, 220 B
-// loads); with the interior key blocks in a loop of their own (FwdKernelTraits::kSplitMaskLoop) 8/28 B remain, none in
-// that loop, and the tiles gained 6 % from 4096 (the costs below predate that). A 192-row tile computes
-// more masked pairs on a causal diagonal and past seqlen_q, so the launcher estimates both: kFwd64WideCost* times the
-// query-key pairs a 192-row tile computes against those of a 128-row tile, per SM (flash/fwd/tile_choice.hpp, which
-// also counts waves of tiles over the SMs). The costs are the measured time per computed pair, 192 over 128 rows
-// (H200, 2026-11-30, session 5 run 6, double-buffered Q, bf16 TFLOP/s forced 128 / 192): no mask 512 331/345, 1024
+// loads); with the interior key blocks in a loop of their own (FwdKernelTraits::kSplitMaskLoop) 8/28 B remained (4/4
+// since session 28's single consumer copy at head_dim 64), none in that loop, and the tiles gained 6 % from 4096
+// (the costs below predate that). A 192-row tile computes more masked pairs on a causal diagonal and past
+// seqlen_q, so the launcher estimates both: kFwd64WideCost* times the query-key pairs a 192-row tile computes
+// against those of a 128-row tile, per SM (flash/fwd/tile_choice.hpp, which also counts waves of tiles over the
+// SMs). The costs are the measured time per computed pair, 192 over 128 rows (H200, 2026-11-30, session 5 run 6,
+// double-buffered Q, bf16 TFLOP/s forced 128 / 192): no mask 512 331/345, 1024
 // 388/386, 2048 422/446, 4096 437/464, 8192 446/482, 16384 449/487 (0.85-0.92 per pair); causal 512 209/182, 1024
 // 285/236, 2048 353/333, 4096 401/380, 8192 417/428, 16384 438/455 (0.85-0.97 per pair, 0.94-0.97 from 2048 up).
 // The 128-row tiles take a third K/V stage (shared memory is plentiful at head_dim 64), so the producer runs a block

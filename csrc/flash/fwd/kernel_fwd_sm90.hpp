@@ -354,16 +354,18 @@ enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 
 
 // Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). The softcap mode is a template
 // argument, not a runtime flag: a softcap's live registers made head_dim 256 spill even with the flag off, and both
-// softmax paths in one kernel took head_dim 128's softcap kernel from 8 to 40 B of spills. The Q buffer (q_buf) is a
-// run-time index: a copy of the consumer per buffer (sessions 8-27) doubled the kernel's code, and ptxas (2026-12-03)
-// now spills no more with the index (head_dim 128: none; the fixed-maximum softcap 12/32 B -> 0; head_dim 64's
-// 192-row tiles 8/28 -> 8/16 B), the main loops unchanged (benchmarks/NOTES.md, session 28).
-template <class Traits, int kSoftcapMode>
+// softmax paths in one kernel took head_dim 128's softcap kernel from 8 to 40 B of spills. The Q buffer is a
+// template argument too (kQBuf 0 or 1, one consumer copy per buffer), except at head_dim 64 (kQBuf -1: the run-time
+// q_buf_index, one copy): there the single copy measured 1-2 % faster (H200, 2026-12-03: non-causal 4096 494 -> 497,
+// 16384 513 -> 522 TFLOP/s, three rounds) and spills less on 192-row tiles (8/28 -> 4/4 B), while head_dim 128 lost
+// 2.5-3 % with it at 16384 non-causal (655 -> 639) (benchmarks/NOTES.md, session 28).
+template <class Traits, int kSoftcapMode, int kQBuf>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
                                  int n_block_max, int q_buf_index) {
-  int const q_buf = Traits::kQBuffers > 1 ? q_buf_index : 0;
+  static_assert(kQBuf >= -1 && kQBuf < Traits::kQBuffers);
+  int const q_buf = kQBuf >= 0 ? kQBuf : q_buf_index;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr bool kSoftcap = kSoftcapMode != kNoSoftcap, kFixedMax = kSoftcapMode == kSoftcapFixedMax;
@@ -695,8 +697,19 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       typename Traits::TileInfo const t = ss.tile_info[q_buf];
       SeqlenInfo const& info = t.info;
       int const m_block = t.m_block, bidh = t.bidh, n_block_min = t.n_block_min, n_block_max = t.n_block_max;
-      fwd_consumer<Traits, kSoftcapMode>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info, n_block_min,
-                                         n_block_max, q_buf);
+      if constexpr (Traits::kQBuffers == 1) {
+        fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
+                                              n_block_min, n_block_max, 0);
+      } else if constexpr (Traits::kHeadDim == 64) {
+        fwd_consumer<Traits, kSoftcapMode, -1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
+                                               n_block_min, n_block_max, q_buf);
+      } else if (q_buf == 0) {
+        fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
+                                              n_block_min, n_block_max, 0);
+      } else {
+        fwd_consumer<Traits, kSoftcapMode, 1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
+                                              n_block_min, n_block_max, 1);
+      }
       if constexpr (!Traits::kPersistent) { break; }
     }
     // Shared memory must outlive the reads of the last TMA store of O.
