@@ -129,6 +129,22 @@ def test_varlen_many_sequences_persistent():
     _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "many", causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_alternating_empty_tiles_persistent(causal, monkeypatch):
+    """head_dim 64's persistent 128-row tiles issue each tile's first QKᵀ during the previous tile's drain and
+    epilogue, and issue one that is never read where the next tile sees no key or there is none
+    (FwdKernelTraits::kCrossTile). 600 one-tile sequences whose key lengths run 0, short, long, 0, ... over 4 heads
+    (~18 tiles per CTA), so each CTA meets tiles with and without keys back to back."""
+    monkeypatch.setenv("FAH_FWD_BLOCK_M", "128")
+    dtype = _built_dtype(64)
+    gen = torch.Generator().manual_seed(29)
+    n = 600
+    lq = torch.randint(1, 129, (n,), generator=gen).tolist()
+    lk = [0 if i % 3 == 0 else int(x) for i, x in enumerate(torch.randint(1, 400, (n,), generator=gen))]
+    q, k, v, dout = _inputs(lq, lk, 4, 4, 64, dtype)
+    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "alternating", causal=causal)
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_varlen_epilogue_slabs(head_dim):
     """The forward stores O of a warpgroup's 64 rows with one TMA store when they lie inside their sequence and copies

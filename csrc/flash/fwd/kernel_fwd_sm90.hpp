@@ -133,6 +133,10 @@ struct FwdKernelTraits {
   // Persistent CTAs hold two Q buffers: the producer loads the next tile's Q (and starts its K/V) while this tile
   // still runs, instead of waiting for every consumer to finish this tile's last QKᵀ.
   static constexpr int kQBuffers = kPersistent ? 2 : 1;
+  // The next tile's first QKᵀ issued before this tile's last P V completes and its epilogue runs (fwd_consumer):
+  // head_dim 64's persistent 128-row tiles, whose short causal tiles (4.5 key blocks on average at 1024) pay the
+  // first QKᵀ's latency and the epilogue once per tile with both warpgroups at the same point (no ping-pong there).
+  static constexpr bool kCrossTile = kNarrow64 && kPersistent_;
 
   // A tile as decode_tile finds it. The producer decodes each tile once and hands it to the consumers through shared
   // memory with tile_idx: for varlen that spares every consumer thread the global loads of cu_seqlens at each tile
@@ -352,6 +356,11 @@ CUTLASS_DEVICE void fwd_store_o_smem(typename Traits::Params const& params, type
 // and c <= kSoftcapFixedMaxLimit: OnlineSoftmax::step_fixed_max).
 enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 2 };
 
+template <bool kFirst, class T>
+CUTLASS_DEVICE T& select_ref(T& first, T& second) {
+  if constexpr (kFirst) { return first; } else { return second; }
+}
+
 // Consumer perspective (one of the MMA warpgroups; mma_tidx in [0, NumMmaThreads)). The softcap mode is a template
 // argument, not a runtime flag: a softcap's live registers made head_dim 256 spill even with the flag off, and both
 // softmax paths in one kernel took head_dim 128's softcap kernel from 8 to 40 B of spills. The Q buffer is a
@@ -359,12 +368,21 @@ enum SoftcapMode : int { kNoSoftcap = 0, kSoftcapOnline = 1, kSoftcapFixedMax = 
 // q_buf_index, one copy): there the single copy measured 1-2 % faster (H200, 2026-12-03: non-causal 4096 494 -> 497,
 // 16384 513 -> 522 TFLOP/s, three rounds) and spills less on 192-row tiles (8/28 -> 4/4 B), while head_dim 128 lost
 // 2.5-3 % with it at 16384 non-causal (655 -> 639) (benchmarks/NOTES.md, session 28).
-template <class Traits, int kSoftcapMode, int kQBuf>
+//
+// Traits::kCrossTile: the kernel issues each tile's first QKᵀ into tSrS_first ahead of the tile: before the tile
+// loop for the first, and for every other in the previous tile's drain (issue_next(), right after its last P V), so
+// that it overlaps that drain and epilogue. Where the next tile does not exist or sees no key block, it issues the
+// same GEMM anyway, on whatever the buffers hold, and the result is never read: exactly one
+// QKᵀ group is then in flight at every tile start and after every drain on every path, which ptxas needs (a wait or
+// an issue in one branch only made it serialise every WGMMA, C7514, or wait before the epilogue, C7517). Elsewhere
+// tSrS_first is this tile's own S and issue_next is never called.
+template <class Traits, int kSoftcapMode, int kQBuf, class FragS, class IssueNext>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
                                  int mma_tidx, int m_block, int bidh, SeqlenInfo const& info, int n_block_min,
-                                 int n_block_max, int q_buf_index) {
+                                 int n_block_max, int q_buf_index, FragS& tSrS_first, IssueNext&& issue_next) {
   static_assert(kQBuf >= -1 && kQBuf < Traits::kQBuffers);
+  constexpr bool kCross = Traits::kCrossTile;
   int const q_buf = kQBuf >= 0 ? kQBuf : q_buf_index;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -464,7 +482,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   // hand-over of a tile is warpgroup 0's first turn of the next (the kernel makes the first hand-over and takes the
   // last one), so none runs two arrivals ahead.
   int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
-  bool const pingpong = params.pingpong && n_block_max > n_block_min;
+  bool const pingpong = !kCross && params.pingpong && n_block_max > n_block_min;  // (no turns with kCrossTile)
   auto wait_turn = [&] {
     if (pingpong) { cutlass::arch::NamedBarrier::sync(Traits::kTurnBarrierThreads, 2 + wg); }
   };
@@ -480,14 +498,17 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     // on the CUDA cores, the tensor cores already work on O += P_{j-1} V_{j-1}. K and V stages are read one
     // block apart, hence two read states (carried from tile to tile).
     auto S = [&] { return partition_fragment_C(tiled_mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}); };
-    Tensor tSrS = S();
+    Tensor tSrS_own = S();
+    auto& tSrS = select_ref<kCross>(tSrS_first, tSrS_own);
     Tensor tOrP = make_tensor<Element>(acc_to_a_operand(tSrS.layout()));  // P of the previous block, A operand
 
     int n_block = n_block_max - 1;
-    stage_wait(ss.pipeline_k, k_state);
-    wait_turn();
-    wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
-    pass_turn();
+    if constexpr (!kCross) {
+      stage_wait(ss.pipeline_k, k_state);
+      wait_turn();
+      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+      pass_turn();
+    }
     warpgroup_wait<0>();
     stage_release(ss.pipeline_k, k_state);
     ++k_state;
@@ -584,11 +605,20 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     wait_turn();
     wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
     pass_turn();
-    warpgroup_wait<0>();
+    if constexpr (kCross) {
+      issue_next();
+      warpgroup_wait<1>();  // this P V; the next tile's QKᵀ runs on
+    } else {
+      warpgroup_wait<0>();
+    }
     stage_release(ss.pipeline_v, v_state);
     ++v_state;
   } else {
     ss.barrier_q_empty[q_buf].arrive();
+    if constexpr (kCross) {
+      issue_next();
+      warpgroup_wait<1>();  // the QKᵀ issued for this tile (never read: no key block); the next one runs on
+    }
   }
 
   // Epilogue: O / l and LSE (rows past seqlen_q and columns past head_dim_v are not written).
@@ -689,6 +719,24 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     // Warpgroup 0 takes the first turn.
     if (params.pingpong && last_wg) { cutlass::arch::NamedBarrier::arrive(Traits::kTurnBarrierThreads, 2 + 0); }
     typename Traits::PipelineState k_state, v_state;
+    typename Traits::TiledMmaQK tiled_mma_qk;
+    auto tSrS_first = partition_fragment_C(tiled_mma_qk, Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>{});
+    // Traits::kCrossTile: tile it's first QKᵀ into tSrS_first (see fwd_consumer). Waiting on its Q buffer's barrier here and again at the top of the loop is fine: the phase cannot
+    // move on before this CTA's consumers release that buffer.
+    auto issue_first_qk = [&](int it) {
+      int const b = it % Traits::kQBuffers;
+      ss.barrier_q[b].wait((it / Traits::kQBuffers) & 1);
+      bool const has_blocks = ss.tile_idx[b] >= 0 && ss.tile_info[b].n_block_max > ss.tile_info[b].n_block_min;
+      if (has_blocks) { stage_wait(ss.pipeline_k, k_state); }  // (k_state advances when the tile reads S)
+      auto thr_mma_qk = tiled_mma_qk.get_thread_slice(mma_tidx);
+      Tensor sQ = make_tensor(make_smem_ptr(ss.smem_q[b].data()), typename Traits::SmemLayoutQ{});
+      Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
+      Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);
+      Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);
+      clear(tSrS_first);  // a full write: else the last tile's first S would stay live through its key-block loop
+      wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS_first);
+    };
+    if constexpr (Traits::kCrossTile) { issue_first_qk(0); }
     for (int iter = 0;; ++iter) {
       int const q_buf = iter % Traits::kQBuffers;
       ss.barrier_q[q_buf].wait((iter / Traits::kQBuffers) & 1);
@@ -697,21 +745,23 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       typename Traits::TileInfo const t = ss.tile_info[q_buf];
       SeqlenInfo const& info = t.info;
       int const m_block = t.m_block, bidh = t.bidh, n_block_min = t.n_block_min, n_block_max = t.n_block_max;
+      auto issue_next = [&] { return issue_first_qk(iter + 1); };
       if constexpr (Traits::kQBuffers == 1) {
         fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
-                                              n_block_min, n_block_max, 0);
+                                              n_block_min, n_block_max, 0, tSrS_first, issue_next);
       } else if constexpr (Traits::kHeadDim == 64) {
         fwd_consumer<Traits, kSoftcapMode, -1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
-                                               n_block_min, n_block_max, q_buf);
+                                               n_block_min, n_block_max, q_buf, tSrS_first, issue_next);
       } else if (q_buf == 0) {
         fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
-                                              n_block_min, n_block_max, 0);
+                                              n_block_min, n_block_max, 0, tSrS_first, issue_next);
       } else {
         fwd_consumer<Traits, kSoftcapMode, 1>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
-                                              n_block_min, n_block_max, 1);
+                                              n_block_min, n_block_max, 1, tSrS_first, issue_next);
       }
       if constexpr (!Traits::kPersistent) { break; }
     }
+    if constexpr (Traits::kCrossTile) { warpgroup_wait<0>(); }  // the QKᵀ issued for the tile that was not there
     // Shared memory must outlive the reads of the last TMA store of O.
     if (mma_tidx % cutlass::NumThreadsPerWarpGroup == 0) { tma_store_wait<0>(); }
     // The last warpgroup's last hand-over is left on warpgroup 0's barrier: take it.
