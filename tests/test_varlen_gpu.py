@@ -2,6 +2,8 @@
 reference run per sequence (``flash_attn_hopper.testing.attention_varlen_ref``), by the rule of DESIGN.md §3, with
 NaN-poisoned memory before each call. Skipped, with the reason, without an sm90 GPU and the built extension."""
 
+import os
+
 import pytest
 import torch
 
@@ -129,20 +131,30 @@ def test_varlen_many_sequences_persistent():
     _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "many", causal=True)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_alternating_empty_tiles_persistent(causal, monkeypatch):
+@pytest.mark.parametrize(
+    "causal,softcap,max_q",
+    [(False, 0.0, None), (True, 0.0, None), (True, 30.0, None), (False, 0.0, 1024)],
+    ids=["full", "causal", "causal-softcap", "mostly-empty"],
+)
+def test_varlen_alternating_empty_tiles_persistent(causal, softcap, max_q):
     """head_dim 64's persistent 128-row tiles issue each tile's first QKᵀ during the previous tile's drain and
-    epilogue, and issue one that is never read where the next tile sees no key or there is none
-    (FwdKernelTraits::kCrossTile). 600 one-tile sequences whose key lengths run 0, short, long, 0, ... over 4 heads
-    (~18 tiles per CTA), so each CTA meets tiles with and without keys back to back."""
-    monkeypatch.setenv("FAH_FWD_BLOCK_M", "128")
+    epilogue, and one that is never read where the next tile sees no key or there is none (FwdKernelTraits::
+    kCrossTile). 600 one-tile sequences over 4 heads (~18 tiles per CTA, in the tile counter's order), a third of
+    them without keys; with max_seqlen_q 1024, seven tiles in eight lie past their sequence (runs of empty tiles,
+    CTAs that end on them)."""
+    if os.environ.get("FAH_FWD_BLOCK_M") == "192":
+        pytest.skip("tests head_dim 64's 128-row tiles; FAH_FWD_BLOCK_M=192 forces the other height")
     dtype = _built_dtype(64)
     gen = torch.Generator().manual_seed(29)
     n = 600
     lq = torch.randint(1, 129, (n,), generator=gen).tolist()
     lk = [0 if i % 3 == 0 else int(x) for i, x in enumerate(torch.randint(1, 400, (n,), generator=gen))]
-    q, k, v, dout = _inputs(lq, lk, 4, 4, 64, dtype)
-    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max(lq), max(lk), "alternating", causal=causal)
+    max_q = max_q or max(lq)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = torch.ops.flash_attn_hopper.fwd_block_m(64, 64, n, 4, max_q, max(lk), causal, -1, -1, sms)
+    assert rows == 128, f"this shape now runs {rows}-row tiles: pick one that runs 128"
+    q, k, v, dout = _inputs(lq, lk, 4, 4, 64, dtype, scale=2.0 if softcap else 1.0)
+    _run_and_check(q, k, v, dout, _cu(lq), _cu(lk), max_q, max(lk), "alternating", causal=causal, softcap=softcap)
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])

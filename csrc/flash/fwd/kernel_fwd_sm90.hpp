@@ -133,10 +133,15 @@ struct FwdKernelTraits {
   // Persistent CTAs hold two Q buffers: the producer loads the next tile's Q (and starts its K/V) while this tile
   // still runs, instead of waiting for every consumer to finish this tile's last QKᵀ.
   static constexpr int kQBuffers = kPersistent ? 2 : 1;
-  // The next tile's first QKᵀ issued before this tile's last P V completes and its epilogue runs (fwd_consumer):
-  // head_dim 64's persistent 128-row tiles, whose short causal tiles (4.5 key blocks on average at 1024) pay the
-  // first QKᵀ's latency and the epilogue once per tile with both warpgroups at the same point (no ping-pong there).
+  // The next tile's first QKᵀ issued before this tile's last P V completes and its epilogue runs (fwd_consumer), on
+  // head_dim 64's persistent 128-row tiles, whose short tiles (4.5 key blocks on average at causal 1024) paid the
+  // first QKᵀ's latency and the epilogue per tile with both warpgroups at the same point (no ping-pong there).
+  // H200, 2026-12-03 (session 29 call 3, bf16 TFLOP/s, three rounds, without / with): non-causal 512 383 / 389-391,
+  // 1024 419-424 / 424-427; causal 512 243-244 / 243-246, 1024 312-322 / 310-322, 2048 374-375 / 376-382; the
+  // 192-row points of the same runs level. Also compiled into this kernel's one-tile-per-CTA run-time mode (no
+  // tile counter), where each CTA issues one QKᵀ that is never read.
   static constexpr bool kCrossTile = kNarrow64 && kPersistent_;
+  static_assert(!kCrossTile || !kOInQ, "a QKᵀ in flight during the epilogue reads the Q buffers");
 
   // A tile as decode_tile finds it. The producer decodes each tile once and hands it to the consumers through shared
   // memory with tile_idx: for varlen that spares every consumer thread the global loads of cu_seqlens at each tile
@@ -372,10 +377,10 @@ CUTLASS_DEVICE T& select_ref(T& first, T& second) {
 // Traits::kCrossTile: the kernel issues each tile's first QKᵀ into tSrS_first ahead of the tile: before the tile
 // loop for the first, and for every other in the previous tile's drain (issue_next(), right after its last P V), so
 // that it overlaps that drain and epilogue. Where the next tile does not exist or sees no key block, it issues the
-// same GEMM anyway, on whatever the buffers hold, and the result is never read: exactly one
-// QKᵀ group is then in flight at every tile start and after every drain on every path, which ptxas needs (a wait or
-// an issue in one branch only made it serialise every WGMMA, C7514, or wait before the epilogue, C7517). Elsewhere
-// tSrS_first is this tile's own S and issue_next is never called.
+// same GEMM anyway, on whatever the buffers hold, and the result is never read: exactly one QKᵀ group is then in
+// flight at every tile start and after every drain on every path, which ptxas needs (a wait or an issue in one
+// branch only made it serialise every WGMMA, C7514, or wait before the epilogue, C7517). Elsewhere the consumer
+// computes its first S into its own tensor and never calls issue_next.
 template <class Traits, int kSoftcapMode, int kQBuf, class FragS, class IssueNext>
 CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
                                  typename Traits::PipelineState& k_state, typename Traits::PipelineState& v_state,
@@ -517,6 +522,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     cute::array<float, kRows> rescale;
     softmax_step(tSrS, rescale);  // O is still zero: nothing to rescale
     convert_p(tSrS, tOrP, first_masked);
+    // kCross: a full write, where no WGMMA writes tSrS_first, ends this value's life; else the next tile's QKᵀ (whose
+    // accumulator operands read as inputs) would keep it live through the key-block loop.
+    if constexpr (kCross) { clear(tSrS_first); }
 
     // One key block after the first; masked: whether the mask crosses it (boundary), a compile-time constant where
     // Traits::kSplitMaskLoop, so that the interior blocks run a loop with no mask code (or its live values) in it.
@@ -599,7 +607,8 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       for (--n_block; n_block >= n_block_min; --n_block) { step(n_block, boundary(n_block)); }
     }
 
-    // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run.
+    // Every QKᵀ of this tile has completed: sQ (and tile_idx) may take the next tile while P V and the epilogue run
+    // (kCross: a QKᵀ never read may still read this sQ then).
     ss.barrier_q_empty[q_buf].arrive();
     stage_wait(ss.pipeline_v, v_state);
     wait_turn();
@@ -721,8 +730,9 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     typename Traits::PipelineState k_state, v_state;
     typename Traits::TiledMmaQK tiled_mma_qk;
     auto tSrS_first = partition_fragment_C(tiled_mma_qk, Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>{});
-    // Traits::kCrossTile: tile it's first QKᵀ into tSrS_first (see fwd_consumer). Waiting on its Q buffer's barrier here and again at the top of the loop is fine: the phase cannot
-    // move on before this CTA's consumers release that buffer.
+    // Traits::kCrossTile: the first QKᵀ of tile `it` into tSrS_first (see fwd_consumer). Its Q buffer's barrier is
+    // waited on here and again at the top of the loop: its phase cannot move on before this CTA's consumers release
+    // that buffer.
     auto issue_first_qk = [&](int it) {
       int const b = it % Traits::kQBuffers;
       ss.barrier_q[b].wait((it / Traits::kQBuffers) & 1);
@@ -733,7 +743,6 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
       Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);
       Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);
-      clear(tSrS_first);  // a full write: else the last tile's first S would stay live through its key-block loop
       wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS_first);
     };
     if constexpr (Traits::kCrossTile) { issue_first_qk(0); }
