@@ -757,7 +757,7 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       typename Traits::TileInfo const t = ss.tile_info[q_buf];
       SeqlenInfo const& info = t.info;
       int const m_block = t.m_block, bidh = t.bidh, n_block_min = t.n_block_min, n_block_max = t.n_block_max;
-      auto issue_next = [&] { return issue_first_qk(iter + 1); };
+      auto issue_next = [&] { issue_first_qk(iter + 1); };
       if constexpr (Traits::kQBuffers == 1) {
         fwd_consumer<Traits, kSoftcapMode, 0>(params, ss, k_state, v_state, mma_tidx, m_block, bidh, info,
                                               n_block_min, n_block_max, 0, tSrS_first, issue_next);
