@@ -8,13 +8,5 @@ set -u
 export PYTHONUNBUFFERED=1
 python3 -c "import tarfile; tarfile.open('.prebuilt/pack/p.tar.xz').extractall('.prebuilt')" || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv | tee $OUT/smi_before.txt
-rm -rf .fah_build; rm -f flash_attn_hopper/_C*.so
-cp -f .prebuilt/CT2/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
-FINAL=$OUT
-export OUT=/tmp/gc; mkdir -p $OUT
-FAH_PREBUILT=1 FAH_SKIP_BENCH=1 FAH_BUILD_LOG=$PWD/.prebuilt/CT2/build.log \
-  PYTEST_ARGS="--timeout 150 --timeout-method thread" timeout ${CHECK_TIMEOUT:-480} bash scripts/gpu_check.sh \
-  > /tmp/gpu_check.out 2>&1
-echo "gpu_check rc $?"
-grep -E "^tests|passed|failed|FAILED|Error|HGMMA check" /tmp/gpu_check.out | tail -n 25
-for f in summary.txt pytest.log kernels.txt; do cp -f $OUT/$f $FINAL/ 2>/dev/null; done
+rm -rf .fah_build
+FAH_SKIP_BENCH=1 CHECK_TIMEOUT=${CHECK_TIMEOUT:-480} bash scripts/device_prebuilt_check.sh CT2
