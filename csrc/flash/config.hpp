@@ -46,7 +46,6 @@ struct FwdTileConfig<64> {
   // 2026-11-30, session 8 runs 1 and 3, one run each).
   static constexpr bool kDocuments = false;
   static constexpr bool kPingpong = true;
-  static constexpr int kCtasPerSm = 1;
 };
 
 // head_dim 64, 192 rows: three consumer warpgroups at 160 registers (producer 32), as FlashAttention-3 runs head_dim
@@ -92,20 +91,6 @@ struct FwdTileConfig64Narrow {
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
   static constexpr bool kPingpong = false;  // see above
-  static constexpr int kCtasPerSm = 1;
-};
-// head_dim 64, two CTAs per SM (experimental, FAH_FWD64_TWIN=1; session 30): each CTA 128 rows in two consumer
-// warpgroups over 64-key blocks plus one producer warp, 112 registers per thread for every warp (no setmaxnreg:
-// 2 x 288 threads share the 65536 registers), so that four consumer warpgroups per SM, not two, hide each other's
-// serial QKᵀ -> softmax -> P V chains on short causal tiles (NOTES, session 29: tensor and MUFU pipes ~40 % busy
-// at causal 1024). 64-key blocks because a 128-key block's S, P and O (128 registers) do not fit in 112.
-struct FwdTileConfig64Twin {
-  static constexpr int kBlockM = 128, kBlockN = 64, kStages = 3;
-  static constexpr bool kPersistent = true;
-  static constexpr bool kPersistentUnmasked = false;
-  static constexpr bool kDocuments = true;
-  static constexpr bool kPingpong = false;
-  static constexpr int kCtasPerSm = 2;
 };
 constexpr double kFwd64WideCostFull = 0.94;    // no causal mask or window
 constexpr double kFwd64WideCostMasked = 0.95;  // causal or windowed
@@ -120,7 +105,6 @@ struct FwdTileConfig<128> {
   static constexpr bool kPersistentUnmasked = true;
   static constexpr bool kDocuments = true;
   static constexpr bool kPingpong = true;
-  static constexpr int kCtasPerSm = 1;
 };
 
 // head_dim 96 (2026-11-30, session 9): head_dim 128's shape; 144 KiB of shared memory with two Q buffers. Before, 96
@@ -132,7 +116,6 @@ struct FwdTileConfig<96> {
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
   static constexpr bool kPingpong = true;
-  static constexpr int kCtasPerSm = 1;
 };
 
 // head_dim 192 (the DeepSeek-style 192 / 128 pair included; session 9): 128 x 112, 2 stages, 1 Q -> 217 KiB (112 is
@@ -145,7 +128,6 @@ struct FwdTileConfig<192> {
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
   static constexpr bool kPingpong = true;
-  static constexpr int kCtasPerSm = 1;
 };
 
 // head_dim 256: kBlockN 64 rather than 80 (the widest that fits). Past what its rows see, a causal tile computes the
@@ -164,7 +146,6 @@ struct FwdTileConfig<256> {
   static constexpr bool kPersistentUnmasked = false;
   static constexpr bool kDocuments = true;
   static constexpr bool kPingpong = true;
-  static constexpr int kCtasPerSm = 1;
 };
 
 // Backward. kSwapSdP (head_dim <= 128): Sᵀ/dPᵀ per warpgroup of 64 keys, P and dS kept in registers for the

@@ -30,10 +30,9 @@ auto make_qkv_gmem(void const* ptr, int seqlen, int head_dim, int nheads, int ba
 }
 
 // cudaFuncSetAttribute(MaxDynamicSharedMemorySize) once per (kernel, device): it costs microseconds and the
-// launchers run on every call. Tag: a type unique to the kernel (its traits and variant). max_carveout: also ask for
-// the largest shared-memory carveout, so that several CTAs per SM fit.
+// launchers run on every call. Tag: a type unique to the kernel (its traits and variant).
 template <class Tag, class Kernel>
-cudaError_t set_max_dynamic_smem_once(Kernel kernel, int bytes, bool max_carveout = false) {
+cudaError_t set_max_dynamic_smem_once(Kernel kernel, int bytes) {
   static std::atomic<uint64_t> done_devices{0};  // bit d: done on device d (devices past 63 always set it)
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -41,9 +40,6 @@ cudaError_t set_max_dynamic_smem_once(Kernel kernel, int bytes, bool max_carveou
   uint64_t const bit = device < 64 ? uint64_t(1) << device : 0;
   if (bit != 0 && (done_devices.load(std::memory_order_relaxed) & bit)) { return cudaSuccess; }
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess && max_carveout) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-  }
   if (err == cudaSuccess) { done_devices.fetch_or(bit, std::memory_order_relaxed); }
   return err;
 }

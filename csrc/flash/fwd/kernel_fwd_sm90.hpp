@@ -33,7 +33,7 @@ namespace flash {
 using namespace cute;
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPersistent_,
-          bool kDocuments_ = true, int kCtasPerSm_ = 1>
+          bool kDocuments_ = true>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kPersistent = kPersistent_;  // else one tile per CTA, the tile loop compiled out
@@ -51,7 +51,7 @@ struct FwdKernelTraits {
   // 256 still without overlap): causal 1024 413-415 / 421, 4096 569-574 / 585-622, 16384 681 / 702-704, non-causal
   // 1024 +1 %, 4096 -1.5 %, 16384 +1-6 %. Rebuilt at head_dim 64 (four of them) -2.2 to -3.8 % at 1024/4096, +0.8 %
   // at 16384; at head_dim 128 (eight) -2.3 to +0.1 %: so kept live there.
-  static constexpr bool kQDescriptorsPerBlock = kHeadDim_ > 128 || kCtasPerSm_ > 1;
+  static constexpr bool kQDescriptorsPerBlock = kHeadDim_ > 128;
   // kSplitMaskLoop: the key blocks the mask crosses and the interior ones run separate copies of the main loop's
   // body, the interior one with no mask code (fwd_consumer); kSoftmaxChains: independent chains per row in the
   // softmax's max and sum (OnlineSoftmax). ptxas, head_dim 64 on 192-row tiles: spills 164/220 B -> 8/28 B (softcap
@@ -73,22 +73,7 @@ struct FwdKernelTraits {
   static constexpr int kStages = kStages_;
   static constexpr int NumMmaWarpGroups = kBlockM / 64;
   static constexpr int NumMmaThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
-  // kCtasPerSm 2 (FwdTileConfig64Twin): the producer is one warp after the consumers (threads NumMmaThreads..), and
-  // every warp keeps the launch's registers (no setmaxnreg, whose pool is per CTA: a producer warpgroup would hold
-  // 128 threads' registers for one thread's work).
-  static constexpr int kCtasPerSm = kCtasPerSm_;
-#ifndef FAH_TWIN_CROSS
-#define FAH_TWIN_CROSS 1
-#endif
-#ifndef FAH_TWIN_PWARP
-#define FAH_TWIN_PWARP 0
-#endif
-  static constexpr bool kProducerWarp = kCtasPerSm_ > 1 && FAH_TWIN_PWARP;
-  static_assert(kCtasPerSm_ == 1 || kCtasPerSm_ == 2);
-  static constexpr int NumProducerThreads = kProducerWarp ? cutlass::NumThreadsPerWarp : cutlass::NumThreadsPerWarpGroup;
-  static constexpr int NumThreads = NumMmaThreads + NumProducerThreads;
-  static constexpr int kConsumerThread0 = kProducerWarp ? 0 : cutlass::NumThreadsPerWarpGroup;  // mma_tidx 0
-  static constexpr int kProducerThread0 = kProducerWarp ? NumMmaThreads : 0;
+  static constexpr int NumThreads = NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr int kTurnBarrierThreads = 2 * cutlass::NumThreadsPerWarpGroup;  // the waiter and the previous
   static constexpr int kEpilogueBarrier = 2 + NumMmaWarpGroups;  // named barriers: turns 2 + w, epilogue this + w
   // setmaxnreg budgets within the 65536 registers per SM: two consumer warpgroups 40 * 128 + 232 * 256 = 64512;
@@ -98,9 +83,9 @@ struct FwdKernelTraits {
   // producer's loop. H200, 2026-12-02 (session 20 call 2, bf16, two rounds, 40/232 against 56/224): head_dim 128 dense
   // -0.6 to +2.5 %, softcap -0.1 to +1.9 %; head_dim 256 (then without overlap) -1.5 to +0.4 %.
   static_assert(NumMmaWarpGroups == 2 || NumMmaWarpGroups == 3, "register budgets for two or three consumers");
-  static constexpr int kProducerRegs = kCtasPerSm_ > 1 ? 24 : NumMmaWarpGroups == 2 ? 40 : 32;
-  static constexpr int kConsumerRegs = kCtasPerSm_ > 1 ? 104 : NumMmaWarpGroups == 2 ? 232 : 160;
-  static_assert(kProducerWarp || register_budget_fits<NumThreads, kProducerRegs, kConsumerRegs>());
+  static constexpr int kProducerRegs = NumMmaWarpGroups == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = NumMmaWarpGroups == 2 ? 232 : 160;
+  static_assert(register_budget_fits<NumThreads, kProducerRegs, kConsumerRegs>());
   // head_dim: whole 32-element (64-byte) swizzle atoms of the K-major Q/K/V tiles (96 = 3 x 32); kBlockN: WGMMA's K.
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0);
 
@@ -155,7 +140,7 @@ struct FwdKernelTraits {
   // 1024 419-424 / 424-427; causal 512 243-244 / 243-246, 1024 312-322 / 310-322, 2048 374-375 / 376-382; the
   // 192-row points of the same runs level. Also compiled into this kernel's one-tile-per-CTA run-time mode (no
   // tile counter), where each CTA issues one QKᵀ that is never read.
-  static constexpr bool kCrossTile = kNarrow64 && kPersistent_ && (kCtasPerSm_ == 1 || FAH_TWIN_CROSS);
+  static constexpr bool kCrossTile = kNarrow64 && kPersistent_;
   static_assert(!kCrossTile || !kOInQ, "a QKᵀ in flight during the epilogue reads the Q buffers");
 
   // A tile as decode_tile finds it. The producer decodes each tile once and hands it to the consumers through shared
@@ -187,7 +172,6 @@ struct FwdKernelTraits {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile configuration exceeds the shared memory of one CTA");
-  static_assert(kCtasPerSm == 1 || kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "CTAs per SM exceed 228 KiB");
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -663,7 +647,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 }
 
 template <class Traits, int kSoftcapMode>
-__global__ void __launch_bounds__(Traits::NumThreads, Traits::kCtasPerSm)
+__global__ void __launch_bounds__(Traits::NumThreads, 1)
     flash_fwd_sm90_kernel(CUTE_GRID_CONSTANT typename Traits::Params const params) {
   using Pipeline = typename Traits::Pipeline;
   extern __shared__ char smem_buf[];
@@ -685,9 +669,8 @@ __global__ void __launch_bounds__(Traits::NumThreads, Traits::kCtasPerSm)
 
   typename Pipeline::Params pipeline_params;
   pipeline_params.transaction_bytes = Traits::kTmaBytesKV;
-  bool const producer = Traits::kProducerWarp ? int(threadIdx.x) >= Traits::NumMmaThreads : warp_group_idx == 0;
-  pipeline_params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipeline_params.is_leader = threadIdx.x == Traits::kProducerThread0;
+  pipeline_params.role = warp_group_idx == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = Traits::NumMmaThreads;
   Pipeline pipeline_k(ss.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(ss.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
@@ -695,12 +678,12 @@ __global__ void __launch_bounds__(Traits::NumThreads, Traits::kCtasPerSm)
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  if (producer) {
-    if constexpr (!Traits::kProducerWarp) { cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>(); }
-    // The pipeline's leader (kProducerThread0) is the one thread that issues every TMA load and picks the tiles: it hands
+  if (warp_group_idx == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    // The pipeline's leader (thread 0) is the one thread that issues every TMA load and picks the tiles: it hands
     // each tile to the consumers through tile_idx and tile_info, published by its arrival on barrier_q
     // (release/acquire).
-    if (threadIdx.x == Traits::kProducerThread0) {
+    if (threadIdx.x == 0) {
       auto write_state = cutlass::make_producer_start_state<Pipeline>();
       int tile = blockIdx.x;
       for (int iter = 0;; ++iter) {
@@ -735,8 +718,8 @@ __global__ void __launch_bounds__(Traits::NumThreads, Traits::kCtasPerSm)
       pipeline_v.producer_tail(write_state);
     }
   } else {
-    if constexpr (!Traits::kProducerWarp) { cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>(); }
-    int const mma_tidx = int(threadIdx.x) - Traits::kConsumerThread0;
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    int const mma_tidx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
     int const wg = mma_tidx / cutlass::NumThreadsPerWarpGroup;
     bool const last_wg = wg + 1 == Traits::NumMmaWarpGroups;
     // Warpgroup 0 takes the first turn.

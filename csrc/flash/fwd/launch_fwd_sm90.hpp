@@ -32,7 +32,7 @@ inline int fwd_persistent_max_key_blocks() {
 template <class Element, int kHeadDim, class Cfg>
 cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kPersistent,
-                                 Cfg::kDocuments, Cfg::kCtasPerSm>;
+                                 Cfg::kDocuments>;
   // Any head_dim that is a multiple of 8 (16-byte rows for TMA) up to the tile width: the columns past it are
   // zero-filled on load and never stored.
   // V (and O) may have their own head_dim_v (the kernel is the one of the larger): same rule.
@@ -116,10 +116,9 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   auto launch = [&](auto mode_c) {
     constexpr int kMode = decltype(mode_c)::value;
     auto kernel = flash_fwd_sm90_kernel<Traits, kMode>;
-    cudaError_t err = set_max_dynamic_smem_once<cute::tuple<Traits, cute::C<kMode>>>(kernel, smem_bytes,
-                                                                                    Traits::kCtasPerSm > 1);
+    cudaError_t err = set_max_dynamic_smem_once<cute::tuple<Traits, cute::C<kMode>>>(kernel, smem_bytes);
     if (err != cudaSuccess) { return err; }
-    dim3 grid(persistent ? int(std::min<int64_t>(num_tiles, int64_t(p.num_sms) * Traits::kCtasPerSm)) : int(num_tiles));
+    dim3 grid(persistent ? int(std::min<int64_t>(num_tiles, p.num_sms)) : int(num_tiles));
     kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
     return cudaGetLastError();
   };
@@ -132,25 +131,14 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
 
 // head_dim 64: 192 or 128 rows per tile (flash/fwd/tile_choice.hpp); documents always take the 128-row tiles (the
 // 192-row kernel is compiled without them, config.hpp).
-// FAH_FWD64_TWIN=1 runs the 128-row problems on FwdTileConfig64Twin (two CTAs per SM; experimental, read once per
-// process).
-inline bool fwd64_twin() {
-  static bool const value = [] {
-    char const* v = std::getenv("FAH_FWD64_TWIN");
-    return v != nullptr && v[0] == '1';
-  }();
-  return value;
-}
-
 template <class Element>
 cudaError_t run_fwd_sm90_hdim64(FwdParams const& p, cudaStream_t stream) {
   int const block_m = p.doc_bounds != nullptr ? FwdTileConfig64Narrow::kBlockM
                                               : fwd_block_m_hdim64(p.seqlen_q, p.seqlen_k, p.window_left,
                                                                    p.window_right, int64_t(p.nheads) * p.batch,
                                                                    p.num_sms);
-  if (block_m == FwdTileConfig<64>::kBlockM) { return run_fwd_sm90_cfg<Element, 64, FwdTileConfig<64>>(p, stream); }
-  if (fwd64_twin()) { return run_fwd_sm90_cfg<Element, 64, FwdTileConfig64Twin>(p, stream); }
-  return run_fwd_sm90_cfg<Element, 64, FwdTileConfig64Narrow>(p, stream);
+  return block_m == FwdTileConfig<64>::kBlockM ? run_fwd_sm90_cfg<Element, 64, FwdTileConfig<64>>(p, stream)
+                                               : run_fwd_sm90_cfg<Element, 64, FwdTileConfig64Narrow>(p, stream);
 }
 
 template <class Element, int kHeadDim>
