@@ -8,13 +8,7 @@
 # softcap 30 (scripts/fwd_points.py; the benchmark grid has softcap at head_dim 128 only), TW / CT2H alternating.
 set -u
 export PYTHONUNBUFFERED=1
-python3 -c "import tarfile; tarfile.open('.prebuilt/pack/p.tar.xz').extractall('.prebuilt')" || exit 1
-cp -f .prebuilt/CT2H/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rf --timeout 100 \
-  tests/test_fwd_gpu.py tests/test_fwd_boundary_gpu.py tests/test_features_gpu.py tests/test_varlen_gpu.py \
-  tests/test_documents_gpu.py tests/test_head_dims_gpu.py tests/test_bug_reports_gpu.py \
-  tests/test_bug_reports_more_gpu.py tests/test_bug_reports_third_gpu.py > $OUT/pytest_CT2H.log 2>&1
-echo "pytest CT2H rc $?"; tail -n 3 $OUT/pytest_CT2H.log
+bash scripts/device_fwd_tests.sh CT2H
 CASES="TW;CT2H" DIRECTION=fwd ROUNDS=${ROUNDS:-3} TAG=ct2 BACKENDS=ours \
   BENCH="--head-dims 64 --causal both --features dense --seqlens 512,1024,2048,4096 --no-check --no-adjacent" \
   timeout ${AB_TIMEOUT:-150} bash scripts/device_env_ab.sh

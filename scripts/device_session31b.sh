@@ -8,13 +8,7 @@
 # forward at head_dim 64/128 with the window and softcap points, CT / MK alternating.
 set -u
 export PYTHONUNBUFFERED=1
-python3 -c "import tarfile; tarfile.open('.prebuilt/pack/p.tar.xz').extractall('.prebuilt')" || exit 1
-cp -f .prebuilt/MK/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rf --timeout 100 \
-  tests/test_fwd_gpu.py tests/test_fwd_boundary_gpu.py tests/test_features_gpu.py tests/test_varlen_gpu.py \
-  tests/test_documents_gpu.py tests/test_head_dims_gpu.py tests/test_bug_reports_gpu.py \
-  tests/test_bug_reports_more_gpu.py tests/test_bug_reports_third_gpu.py > $OUT/pytest_MK.log 2>&1
-echo "pytest MK rc $?"; tail -n 3 $OUT/pytest_MK.log
+bash scripts/device_fwd_tests.sh MK
 CASES="CT;MK" DIRECTION=fwd ROUNDS=${ROUNDS:-3} TAG=mk BACKENDS=ours \
   BENCH="--head-dims 64,128 --causal both --features dense,window,softcap --seqlens 512,1024,2048,4096,16384 --no-check --no-adjacent" \
   timeout ${AB_TIMEOUT:-330} bash scripts/device_env_ab.sh
