@@ -116,18 +116,53 @@ struct Window {
   }
 
   // tSrS: the S accumulator; tScS: the same partition of an identity tensor (row, col within the tile).
-  template <class TensorS, class TensorC>
+  // kOneSided: the limits are taken relative to this thread's first column (each compare then has a constant
+  // operand), and where no row of the thread has a left limit inside the block (a causal diagonal, seqlen_k's cut)
+  // one compare per element replaces two.
+  template <bool kOneSided = false, class TensorS, class TensorC>
   CUTLASS_DEVICE void apply(TensorS& tSrS, TensorC const& tScS, int m_block, int n_block) const {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (rows, cols)
     Tensor c = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < size<0>(s); ++r) {
-      int lo, hi;
-      key_limits(m_block * kBlockM + get<0>(c(r, 0)), n_block, lo, hi);
+    if constexpr (kOneSided) {
+      constexpr int kR = decltype(size<0>(s))::value;
+      int const col0 = get<1>(c(0, 0));
+      int lo[kR], hi[kR];
+      bool left = false;
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        int const col = get<1>(c(r, j));
-        if (col < lo || col >= hi) { s(r, j) = -INFINITY; }
+      for (int r = 0; r < kR; ++r) {
+        key_limits(m_block * kBlockM + get<0>(c(r, 0)), n_block, lo[r], hi[r]);
+        lo[r] -= col0;
+        hi[r] -= col0;
+        left |= lo[r] > 0;
+      }
+      if (!left) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kR; ++r) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(s); ++j) {
+            if (get<1>(c(r, j)) - col0 >= hi[r]) { s(r, j) = -INFINITY; }
+          }
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kR; ++r) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(s); ++j) {
+            int const dc = get<1>(c(r, j)) - col0;
+            if (dc < lo[r] || dc >= hi[r]) { s(r, j) = -INFINITY; }
+          }
+        }
+      }
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(s); ++r) {
+        int lo, hi;
+        key_limits(m_block * kBlockM + get<0>(c(r, 0)), n_block, lo, hi);
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          int const col = get<1>(c(r, j));
+          if (col < lo || col >= hi) { s(r, j) = -INFINITY; }
+        }
       }
     }
   }

@@ -448,7 +448,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
     }
-    if (masked) { window.apply(tSrS, tScS, m_block, n_block); }
+    if (masked) { window.template apply<Traits::NumMmaWarpGroups == 2>(tSrS, tScS, m_block, n_block); }
   };
   clear(tOrO);
   float rounding_regs[kRows];
@@ -522,6 +522,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     cute::array<float, kRows> rescale;
     softmax_step(tSrS, rescale);  // O is still zero: nothing to rescale
     convert_p(tSrS, tOrP, first_masked);
+    // kCross: a full write, where no WGMMA writes tSrS_first, ends this value's life; else the next tile's QKᵀ (whose
+    // accumulator operands read as inputs) would keep it live through the key-block loop.
+    if constexpr (kCross) { clear(tSrS_first); }
 
     // One key block after the first; masked: whether the mask crosses it (boundary), a compile-time constant where
     // Traits::kSplitMaskLoop, so that the interior blocks run a loop with no mask code (or its live values) in it.
@@ -569,7 +572,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
         ++k_state;
         CUTLASS_PRAGMA_UNROLL
         for (int i = kHalf; i < 2 * kHalf; ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
-        if (masked) { window.apply(tSrS, tScS, m_block, n_block); }
+        if (masked) { window.template apply<Traits::NumMmaWarpGroups == 2>(tSrS, tScS, m_block, n_block); }
       } else {
         wgmma</*zero_init=*/true>(tiled_mma_qk, q_operand(), tSrK(_, _, _, k_state.index()), tSrS);
         wgmma</*zero_init=*/false>(tiled_mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
@@ -740,12 +743,6 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
       Tensor sK = make_tensor(make_smem_ptr(ss.smem_k.data()), typename Traits::SmemLayoutKV{});
       Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);
       Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);
-      // A full write, so that the previous tile's first S is not kept live through that tile's key-block loop (the
-      // WGMMA's accumulator operands read as inputs). ptxas folds it into the zero-initialising WGMMA (no SASS
-      // writes these registers here, checked 2026-12-03); as source, on an empty tile's path it writes registers a
-      // QKᵀ may still be writing, which PTX leaves undefined. Clearing after the tile's first block instead (no
-      // WGMMA pending there) changed the softcap kernels' scheduling and has not run on the H200 (NOTES, session 29).
-      clear(tSrS_first);
       wgmma</*zero_init=*/true>(tiled_mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS_first);
     };
     if constexpr (Traits::kCrossTile) { issue_first_qk(0); }
