@@ -63,8 +63,9 @@ struct FwdKernelTraits {
   // 448-461 / 424-444, the rest level (call 3); both against neither at head_dim 128 non-causal 16384 666-672 /
   // 649-658, 1024 620-621 / 624-626 (call 2). Not kept where they lost or gained nothing: head_dim 64's 128-row tiles
   // (non-causal 1024 426 neither, 414 split, 398-402 both; causal 1024 318 / 310 / 301; call 1), head_dim 192 and
-  // 256 (within -3 to +1 %, call 2). head_dim 96 (head_dim 128's shape) takes both, unmeasured. Since the split, head_dim
-  // 128's fixed-maximum softcap kernel spills 12/32 B (0 before), reloaded in the masked blocks' copy of the loop only.
+  // 256 (within -3 to +1 %, call 2). head_dim 96 (head_dim 128's shape) takes both, unmeasured. The split left head_dim
+  // 128's fixed-maximum softcap kernel spilling 12/32 B in the masked blocks' copy of the loop, until session 31's
+  // one-sided mask (flash/common/mask.hpp) removed it.
   static constexpr bool kNarrow64 = kHeadDim_ == 64 && kBlockM_ == 128;
   static constexpr bool kSplitMaskLoop = kHeadDim_ <= 128 && !kNarrow64;
   static constexpr int kSoftmaxChains = kHeadDim_ <= 128 && !kNarrow64 ? 4 : 1;
