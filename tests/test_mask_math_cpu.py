@@ -6,7 +6,9 @@ on CPU against the element-wise rule of DESIGN.md §2 (``flash_attn_hopper.testi
   query blocks of a key block), and every visited tile holds a visible element (cost follows the window);
 - a tile in the interior run of ``interior_n_blocks`` / ``interior_m_blocks`` holds only visible elements (rows
   past seqlen_q excepted), and the runs are exact away from those rows;
-- ``key_limits`` gives each row's visible keys within a tile exactly.
+- ``key_limits`` gives each row's visible keys within a tile exactly;
+- the forward's one-compare mask (``Window::apply<kOneSided>``) masks, per thread of the WGMMA accumulator layout,
+  exactly what the two-sided test masks.
 
 A port can drift from the C++; the GPU tests (tests/test_features_gpu.py) check the kernels themselves."""
 
@@ -379,3 +381,70 @@ def test_deterministic_dq_order_with_documents(block_m, block_n, causal):
     w = Window(block_m, block_n, n, n, *kernel_window(-1, 0 if causal else -1, n, n), start, end)
     for sms in (1, 2, 5, ceil_div(n, block_n)):
         assert simulate_deterministic_dq(w, sms) is not None, sms
+
+
+def wgmma_thread_coords(block_m, block_n):
+    """(rows, cols) of each consumer thread's fp32 accumulator elements for an SM90 WGMMA tile of block_m rows (one
+    warpgroup per 64 rows) and block_n columns: thread t of a warpgroup holds rows 16 * warp + lane / 4 + {0, 8} and
+    columns 8 * k + 2 * (lane % 4) + {0, 1} (CuTe's CLayout_64xN, what acc_rowcol() views as (rows, cols))."""
+    t = torch.arange(block_m // 64 * 128)
+    wg, warp, lane = t // 128, t % 128 // 32, t % 32
+    first_row = 64 * wg + 16 * warp + lane // 4
+    rows = torch.stack([first_row, first_row + 8], 1)  # (threads, 2)
+    k = torch.arange(block_n // 8)
+    cols = (8 * k.view(1, -1, 1) + 2 * (lane % 4).view(-1, 1, 1) + torch.tensor([0, 1]).view(1, 1, 2)).flatten(1)
+    return rows, cols  # (threads, 2), (threads, block_n / 4), columns in acc_rowcol's order
+
+
+def apply_one_sided(w, rows, cols, m_block, n_block):
+    """Port of Window::apply<kOneSided = true> (mask.hpp): the masked elements (threads, rows, cols) of one tile."""
+    col0 = cols[:, :1]  # c(0, 0): each thread's first column
+    lim = [[w.key_limits(m_block * w.bm + int(r), n_block) for r in thread_rows] for thread_rows in rows]
+    lo = torch.tensor([[a for a, _ in t] for t in lim]) - col0
+    hi = torch.tensor([[b for _, b in t] for t in lim]) - col0
+    left = (lo > 0).any(1)
+    dc = (cols - col0).unsqueeze(1)  # (threads, 1, cols)
+    right_only = dc >= hi.unsqueeze(2)
+    both = (dc < lo.unsqueeze(2)) | right_only
+    return torch.where(left.view(-1, 1, 1), both, right_only)
+
+
+@pytest.mark.parametrize(
+    "block_m,block_n,seqlen_q,seqlen_k,window,lengths",
+    [
+        (128, 128, 1024, 1024, (-1, 0), None),  # causal diagonal: the one-compare path
+        (128, 128, 513, 700, (17, 3), None),  # left limits inside a block: the two-compare path
+        (128, 128, 700, 513, (0, 0), None),
+        (128, 128, 300, 1000, (64, -1), None),
+        (128, 128, 1000, 300, (-1, 0), None),  # seqlen_q > seqlen_k: rows with no keys
+        (128, 128, 77, 130, (-1, -1), None),  # only seqlen_k's cut
+        (128, 64, 300, 100, (20, 1000), None),  # head_dim 256's tiles
+        (128, 112, 513, 700, (-1, 5), None),  # head_dim 192's tiles
+        (128, 128, 0, 0, (-1, 0), [300, 1, 212, 500]),  # documents, causal
+        (128, 128, 0, 0, (100, 0), [129, 128, 127, 640]),
+    ],
+)
+def test_one_sided_mask_matches_the_two_sided_rule(block_m, block_n, seqlen_q, seqlen_k, window, lengths):
+    """The forward's one-compare mask (Window::apply<kOneSided>, kernels with two consumer warpgroups) masks exactly
+    what the two-sided per-element test masks, on every tile the forward visits, for every thread's elements of the
+    WGMMA accumulator: its limits are taken relative to the thread's first column, which must be the smallest the
+    thread holds, and the left test is dropped only where no row of the thread has a left limit past that column."""
+    docs = (None, None)
+    if lengths is not None:
+        ids = _documents(lengths)
+        seqlen_q = seqlen_k = len(ids)
+        docs = document_bounds(ids)
+    w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(*window, seqlen_q, seqlen_k), *docs)
+    rows, cols = wgmma_thread_coords(block_m, block_n)
+    assert torch.equal(cols[:, 0], cols.min(1).values)
+    one_compare_threads = 0
+    for m in range(ceil_div(seqlen_q, block_m)):
+        n_min, n_max = w.n_block_range(m)
+        for n in range(n_min, n_max):
+            got = apply_one_sided(w, rows, cols, m, n)
+            lim = torch.tensor([[w.key_limits(m * block_m + int(r), n) for r in t] for t in rows])
+            c = cols.unsqueeze(1)
+            expect = (c < lim[:, :, :1]) | (c >= lim[:, :, 1:])
+            assert torch.equal(got, expect), f"m_block {m} n_block {n}"
+            one_compare_threads += int(((lim[:, :, 0] - cols[:, :1]) <= 0).all(1).sum())
+    assert one_compare_threads > 0  # the one-compare path is exercised in every case
