@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 31 call 3: the one-sided forward mask and the moved tSrS_first clear (commit after fde71f0) built clean on
+# Session 31 call 3: the one-sided forward mask and the moved tSrS_first clear (71d5ce7) built clean on
 # the device (every head dim and dtype), SASS / HGMMA check, every GPU test file, the full benchmark grid, then the
 # dense grid in fp16 (issue 6's fp16-within-3 % criterion), all in one call to save a cold start.
 set -u

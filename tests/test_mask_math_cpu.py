@@ -1,5 +1,6 @@
 """The kernels' tile-index math for masks (csrc/flash/common/block_range.hpp: kernel_window; mask.hpp:
-Window::n_block_range, m_block_range, needs_mask, key_limits), ported line for line to Python and checked exhaustively
+Window::n_block_range, m_block_range, interior_n_blocks, interior_m_blocks, key_limits, row_limits,
+apply<kOneSided>), ported line for line to Python and checked exhaustively
 on CPU against the element-wise rule of DESIGN.md §2 (``flash_attn_hopper.testing.local_mask``):
 
 - every visible (row, key) lies in a visited tile, from both sides (forward: key blocks of a query block; backward:
@@ -426,9 +427,10 @@ def apply_one_sided(w, rows, cols, m_block, n_block):
 )
 def test_one_sided_mask_matches_the_two_sided_rule(block_m, block_n, seqlen_q, seqlen_k, window, lengths):
     """The forward's one-compare mask (Window::apply<kOneSided>, kernels with two consumer warpgroups) masks exactly
-    what the two-sided per-element test masks, on every tile the forward visits, for every thread's elements of the
-    WGMMA accumulator: its limits are taken relative to the thread's first column, which must be the smallest the
-    thread holds, and the left test is dropped only where no row of the thread has a left limit past that column."""
+    what the two-sided per-element test masks, on every boundary tile the forward visits, for every thread's
+    elements of the WGMMA accumulator (as modelled by wgmma_thread_coords; the GPU tests check the real layout): its
+    limits are taken relative to the thread's first column, and the left test is dropped only where no row of the
+    thread has a left limit past that column. Both paths must run where the case has a left limit."""
     docs = (None, None)
     if lengths is not None:
         ids = _documents(lengths)
@@ -436,15 +438,22 @@ def test_one_sided_mask_matches_the_two_sided_rule(block_m, block_n, seqlen_q, s
         docs = document_bounds(ids)
     w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(*window, seqlen_q, seqlen_k), *docs)
     rows, cols = wgmma_thread_coords(block_m, block_n)
-    assert torch.equal(cols[:, 0], cols.min(1).values)
-    one_compare_threads = 0
+    assert torch.equal(cols[:, 0], cols.min(1).values)  # the model's premise, which the kernel's layout shares
+    one_compare = two_compare = 0  # threads on each path, over the masked (boundary) tiles
     for m in range(ceil_div(seqlen_q, block_m)):
         n_min, n_max = w.n_block_range(m)
+        interior_lo, interior_hi = w.interior_n_blocks(m)
         for n in range(n_min, n_max):
+            if interior_lo <= n < interior_hi:
+                continue  # the kernels run these without a mask
             got = apply_one_sided(w, rows, cols, m, n)
             lim = torch.tensor([[w.key_limits(m * block_m + int(r), n) for r in t] for t in rows])
             c = cols.unsqueeze(1)
             expect = (c < lim[:, :, :1]) | (c >= lim[:, :, 1:])
             assert torch.equal(got, expect), f"m_block {m} n_block {n}"
-            one_compare_threads += int(((lim[:, :, 0] - cols[:, :1]) <= 0).all(1).sum())
-    assert one_compare_threads > 0  # the one-compare path is exercised in every case
+            one_sided = ((lim[:, :, 0] - cols[:, :1]) <= 0).all(1)
+            one_compare += int(one_sided.sum())
+            two_compare += int((~one_sided).sum())
+    assert one_compare > 0
+    if window[0] >= 0 or lengths is not None:
+        assert two_compare > 0

@@ -116,11 +116,13 @@ struct Window {
   }
 
   // tSrS: the S accumulator; tScS: the same partition of an identity tensor (row, col within the tile).
-  // kOneSided: the limits are taken relative to this thread's first column (each compare then has a constant
-  // operand), and where no row of the thread has a left limit inside the block (a causal diagonal, seqlen_k's cut)
-  // one compare per element replaces two. Used by the kernels with two consumer warpgroups (head_dim 64's 192-row
-  // kernels spilled 200-290 B with it). H200, 2026-12-03 (session 31 call 2, three rounds): head_dim 64 causal 512,
-  // 1024 and 4096 +1.5-1.7 %, head_dim 128 softcap causal +1.6-2.5 % (no longer spilling), the rest level.
+  // kOneSided: the limits are taken relative to this thread's first column c(0, 0), its smallest in the WGMMA
+  // accumulator layout (each compare then has a constant operand), and where no row of the thread has its left limit
+  // past that column (a causal diagonal, seqlen_k's cut) one compare per element replaces two
+  // (tests/test_mask_math_cpu.py ports it). Used by the forward kernels with two consumer warpgroups (head_dim 64's
+  // 192-row kernels spilled 200-290 B with it). H200, 2026-12-03 (session 31 call 2, three rounds): head_dim 64 causal
+  // 512, 1024 and 4096 +1.5-1.7 %, head_dim 128 softcap causal +1.6-2.5 % (no longer spilling), window and softcap
+  // non-causal up to +2.4 %, the rest level.
   template <bool kOneSided = false, class TensorS, class TensorC>
   CUTLASS_DEVICE void apply(TensorS& tSrS, TensorC const& tScS, int m_block, int n_block) const {
     Tensor s = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (rows, cols)

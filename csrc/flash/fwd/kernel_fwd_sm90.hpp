@@ -523,8 +523,9 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     cute::array<float, kRows> rescale;
     softmax_step(tSrS, rescale);  // O is still zero: nothing to rescale
     convert_p(tSrS, tOrP, first_masked);
-    // kCross: a full write, where no WGMMA writes tSrS_first, ends this value's life; else the next tile's QKᵀ (whose
-    // accumulator operands read as inputs) would keep it live through the key-block loop.
+    // kCross: end this dead value's life, or the next tile's QKᵀ (its accumulator operands are asm inputs) keeps it
+    // live through the key-block loop. Here no WGMMA is in flight on it; before that QKᵀ, on an empty tile's path, the
+    // clear wrote registers a QKᵀ might still be writing (undefined in PTX). Level on the H200 (session 31 call 1).
     if constexpr (kCross) { clear(tSrS_first); }
 
     // One key block after the first; masked: whether the mask crosses it (boundary), a compile-time constant where
