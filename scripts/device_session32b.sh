@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Prepared in session 31 for the next one (not run yet): the full benchmark grid (scripts/gpu_check.sh's bench stage,
+# PNGs included) on the same carried build as scripts/device_session32a.sh (.prebuilt/H31), a second reading of
+# session 31's grid: issue 6's "at 1024 ours >= cuDNN everywhere" held there by 0.2-1 % at head_dim 256 and 64 causal.
+set -u
+export PYTHONUNBUFFERED=1
+FAH_SKIP_TESTS=1 CHECK_TIMEOUT=${CHECK_TIMEOUT:-330} bash scripts/device_prebuilt_check.sh H31
