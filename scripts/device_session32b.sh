@@ -5,3 +5,5 @@
 set -u
 export PYTHONUNBUFFERED=1
 FAH_SKIP_TESTS=1 CHECK_TIMEOUT=${CHECK_TIMEOUT:-330} bash scripts/device_prebuilt_check.sh H31
+# Then issue 6's fp16 criterion with fp16 and bf16 timed beside each other per point (ours and cuDNN).
+PYTHONPATH=$PWD timeout ${FP16_TIMEOUT:-200} python3 scripts/fp16_beside.py --json $OUT/fp16_beside.json | tee $OUT/fp16_beside.md
