@@ -1,0 +1,44 @@
+"""A list-scheduling model of the forward's causal tile order (session 31): tiles are handed to the first free of
+132 SMs in launch order (the persistent counter, or the hardware's CTA dispatch), a tile costing its key blocks plus a
+fixed X (2.8 key blocks: session 5's fit of the per-tile cost). Prints each order's makespan against the ideal (total
+work / SMs): head-major (the submitted kernels: each (head, batch)'s query blocks, last first), sections of S (head,
+batch) pairs with query blocks longest first across a section (fwd_sectioned_tile_order_UNTESTED.patch), and a global
+longest-first order. Shapes of the benchmark grid (16384 tokens, nheads = 2048 / head_dim)."""
+import heapq
+
+
+def makespan(costs, sms):
+    free = [0.0] * sms
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free)
+
+
+def orders(num_m_blocks, blocks_of, head_batches, x):
+    cost = lambda m: blocks_of(m) + x
+    yield "head-major", [cost(m) for _ in range(head_batches) for m in reversed(range(num_m_blocks))]
+    for s in (8, 16, 32, 64):
+        yield f"sections of {s}", [cost(m) for s0 in range(0, head_batches, s) for m in reversed(range(num_m_blocks))
+                                   for _ in range(s0, min(head_batches, s0 + s))]
+    yield "global longest first", sorted((cost(m) for _ in range(head_batches) for m in range(num_m_blocks)),
+                                         reverse=True)
+
+
+def main(sms=132, x=2.8):
+    cases = [  # name, query blocks, key blocks of query block m (causal, seqlen_q = seqlen_k), (head, batch) pairs
+        ("head_dim 256 causal 1024", 8, lambda m: 2 * (m + 1), 128),
+        ("head_dim 256 causal 2048", 16, lambda m: 2 * (m + 1), 64),
+        ("head_dim 128 causal 512", 4, lambda m: m + 1, 512),
+        ("head_dim 128 causal 1024", 8, lambda m: m + 1, 256),
+        ("head_dim 128 causal 4096", 32, lambda m: m + 1, 64),
+        ("head_dim 64 causal 512 (128-row tiles)", 4, lambda m: m + 1, 1024),
+        ("head_dim 64 causal 1024 (128-row tiles)", 8, lambda m: m + 1, 512),
+    ]
+    for name, num_m_blocks, blocks_of, head_batches in cases:
+        runs = list(orders(num_m_blocks, blocks_of, head_batches, x))
+        ideal = sum(runs[0][1]) / sms
+        print(name + ": " + ", ".join(f"{k} {ideal / makespan(c, sms):.3f}" for k, c in runs))
+
+
+if __name__ == "__main__":
+    main()
