@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepared in session 31 for the next one (not run yet): the forward's tiles in L2-sized sections of (head, batch)
-# pairs, query blocks longest first across a section, for causal and windowed launches
+# pairs, query blocks longest first across a section, for causal-like launches (a right limit, no left one)
 # (benchmarks/results/2026-12-03_h200_session31/fwd_sectioned_tile_order_UNTESTED.patch; FAH_FWD_SECTION_MIB, default
 # 24, 0 = the head-major order of the submitted kernels). One build made on the CPU machine, carried in
 # .prebuilt/pack/p.tar.xz: SC (head_dim 64/128/256 bf16). The forward-side GPU test files on SC first (sections on),
@@ -12,5 +12,5 @@ set -u
 export PYTHONUNBUFFERED=1
 bash scripts/device_fwd_tests.sh SC
 CASES="SC FAH_FWD_SECTION_MIB=0;SC" DIRECTION=fwd ROUNDS=${ROUNDS:-3} TAG=sc BACKENDS=ours \
-  BENCH="--head-dims 64,128,256 --causal yes --features dense,window --seqlens 512,1024,2048,4096,16384 --no-check --no-adjacent" \
+  BENCH="--head-dims 64,128,256 --causal yes --features dense --seqlens 512,1024,2048,4096,16384 --no-check --no-adjacent" \
   timeout ${AB_TIMEOUT:-330} bash scripts/device_env_ab.sh

@@ -24,20 +24,35 @@ def orders(num_m_blocks, blocks_of, head_batches, x):
                                          reverse=True)
 
 
+def section_heads(pairs, kv_mib, budget_mib=24):
+    """The launcher's choice (launch_fwd_sm90.hpp with fwd_sectioned_tile_order_UNTESTED.patch): the pairs whose K/V
+    fit the budget, lowered to a divisor of the pair count unless that is under half of it."""
+    fit = max(1, min(int(min(budget_mib / kv_mib, 1024)), pairs, 1024))
+    s = fit
+    while s > fit // 2 and pairs % s:
+        s -= 1
+    return s if pairs % s == 0 else fit
+
+
 def main(sms=132, x=2.8):
-    cases = [  # name, query blocks, key blocks of query block m (causal, seqlen_q = seqlen_k), (head, batch) pairs
-        ("head_dim 256 causal 1024", 8, lambda m: 2 * (m + 1), 128),
-        ("head_dim 256 causal 2048", 16, lambda m: 2 * (m + 1), 64),
-        ("head_dim 128 causal 512", 4, lambda m: m + 1, 512),
-        ("head_dim 128 causal 1024", 8, lambda m: m + 1, 256),
-        ("head_dim 128 causal 4096", 32, lambda m: m + 1, 64),
-        ("head_dim 64 causal 512 (128-row tiles)", 4, lambda m: m + 1, 1024),
-        ("head_dim 64 causal 1024 (128-row tiles)", 8, lambda m: m + 1, 512),
+    cases = [  # name, query blocks, key blocks of query block m (causal, seqlen_q = seqlen_k), (head, batch) pairs,
+        # K/V MiB per pair
+        ("head_dim 256 causal 1024", 8, lambda m: 2 * (m + 1), 128, 1.0),
+        ("head_dim 256 causal 2048", 16, lambda m: 2 * (m + 1), 64, 2.0),
+        ("head_dim 128 causal 512", 4, lambda m: m + 1, 512, 0.25),
+        ("head_dim 128 causal 1024", 8, lambda m: m + 1, 256, 0.5),
+        ("head_dim 128 causal 4096", 32, lambda m: m + 1, 64, 2.0),
+        ("head_dim 64 causal 512 (128-row tiles)", 4, lambda m: m + 1, 1024, 0.125),
+        ("head_dim 64 causal 1024 (128-row tiles)", 8, lambda m: m + 1, 512, 0.25),
     ]
-    for name, num_m_blocks, blocks_of, head_batches in cases:
+    for name, num_m_blocks, blocks_of, head_batches, kv_mib in cases:
         runs = list(orders(num_m_blocks, blocks_of, head_batches, x))
         ideal = sum(runs[0][1]) / sms
-        print(name + ": " + ", ".join(f"{k} {ideal / makespan(c, sms):.3f}" for k, c in runs))
+        s = section_heads(head_batches, kv_mib)
+        chosen = [blocks_of(m) + x for s0 in range(0, head_batches, s) for m in reversed(range(num_m_blocks))
+                  for _ in range(s0, min(head_batches, s0 + s))]
+        print(name + ": " + ", ".join(f"{k} {ideal / makespan(c, sms):.3f}" for k, c in runs)
+              + f"; the launcher's {s}: {ideal / makespan(chosen, sms):.3f}")
 
 
 if __name__ == "__main__":
