@@ -457,3 +457,56 @@ def test_one_sided_mask_matches_the_two_sided_rule(block_m, block_n, seqlen_q, s
     assert one_compare > 0
     if window[0] >= 0 or lengths is not None:
         assert two_compare > 0
+
+
+def apply_transposed_one_sided(w, keys, cols, m_block, n_block):
+    """Port of Window::apply_transposed<kOneSided = true> (mask.hpp): the masked elements (threads, keys, rows) of one
+    Sᵀ tile, or None where the thread takes the two-sided path (some key's upper row limit inside the block)."""
+    col0 = cols[:, :1]
+    lim = torch.tensor([[w.row_limits(n_block * w.bn + int(k), m_block) for k in thread_keys] for thread_keys in keys])
+    upper = (lim[:, :, 1] < w.bm).any(1)
+    lo = lim[:, :, 0] - col0
+    masked = (cols - col0).unsqueeze(1) < lo.unsqueeze(2)
+    return masked, upper
+
+
+@pytest.mark.parametrize(
+    "block_m,block_n,seqlen_q,seqlen_k,window,lengths",
+    [
+        (64, 128, 1024, 1024, (-1, 0), None),  # head_dim 128's backward tiles, causal: the one-compare path
+        (128, 128, 1024, 1024, (-1, 0), None),  # head_dim 64's
+        (64, 128, 513, 700, (17, 3), None),  # upper limits inside blocks: the two-sided path
+        (64, 128, 700, 513, (-1, 0), None),  # seqlen_q > seqlen_k
+        (64, 128, 77, 130, (-1, -1), None),  # seqlen_k's cut
+        (128, 128, 300, 1000, (64, -1), None),
+        (64, 128, 0, 0, (-1, 0), [300, 1, 212, 500]),  # documents, causal
+    ],
+)
+def test_one_sided_transposed_mask_matches_the_two_sided_rule(block_m, block_n, seqlen_q, seqlen_k, window, lengths):
+    """The backward's one-compare mask on Sᵀ (Window::apply_transposed<kOneSided>): where a thread takes it (no key
+    of the thread has its upper row limit inside the block), it masks exactly what the two-sided test masks, on every
+    boundary tile the backward visits (threads as modelled by wgmma_thread_coords: keys are the accumulator's rows,
+    query rows its columns)."""
+    docs = (None, None)
+    if lengths is not None:
+        ids = _documents(lengths)
+        seqlen_q = seqlen_k = len(ids)
+        docs = document_bounds(ids)
+    w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(*window, seqlen_q, seqlen_k), *docs)
+    keys, cols = wgmma_thread_coords(block_n, block_m)
+    one_compare = 0
+    for n in range(ceil_div(seqlen_k, block_n)):
+        m_min, m_max = w.m_block_range(n)
+        interior_lo, interior_hi = w.interior_m_blocks(n)
+        for m in range(m_min, m_max):
+            if interior_lo <= m < interior_hi:
+                continue
+            got, upper = apply_transposed_one_sided(w, keys, cols, m, n)
+            lim = torch.tensor([[w.row_limits(n * block_n + int(k), m) for k in t] for t in keys])
+            c = cols.unsqueeze(1)
+            expect = (c < lim[:, :, :1]) | (c >= lim[:, :, 1:])
+            one = ~upper
+            assert torch.equal(got[one], expect[one]), f"n_block {n} m_block {m}"
+            one_compare += int(one.sum())
+    if window[1] >= 0:  # a causal or right limit: some keys' rows start inside a block
+        assert one_compare > 0

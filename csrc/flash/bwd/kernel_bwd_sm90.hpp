@@ -741,7 +741,7 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
         if constexpr (!kSoftcap) {
           warpgroup_wait<1>();  // Sᵀ is ready; dPᵀ may still be in flight
           if (m_block < interior_lo || m_block >= interior_hi) {
-            window.apply_transposed(tSrS, tScS, m_block, n_block);
+            window.template apply_transposed<true>(tSrS, tScS, m_block, n_block);
           }
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size<1>(s); ++j) {
@@ -767,7 +767,8 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < size(tSrS); ++i) { tSrS(i) = softcap_tanh<Element>(tSrS(i) * params.softcap_pre); }
             if (m_block < interior_lo || m_block >= interior_hi) {
-              window.apply_transposed(tSrS, tScS, m_block, n_block);
+              // head_dim 64's softcap consumers keep the two-sided mask: the other spilled more in their loop.
+              window.template apply_transposed<(kHeadDim > 64)>(tSrS, tScS, m_block, n_block);
             }
           }
           warpgroup_wait<0>();
