@@ -139,3 +139,34 @@ def test_fah_fwd_block_m_forces_the_height(forced, tmp_path):
     # An unrecognized value leaves the choice to the launcher (causal 512: 128 rows, non-causal 8192: 192 rows);
     # head_dim 128 has one height.
     assert got == {"128": [128, 128, 128], "192": [192, 192, 128], "100": [128, 192, 128]}[forced]
+
+
+def decode_tile(tile, num_m_blocks, num_tiles, section_heads):
+    """Port of FwdKernelTraits::decode_tile's order (kernel_fwd_sm90.hpp): (m_block, head_batch) of tile `tile`."""
+    if section_heads > 0:
+        per_section = section_heads * num_m_blocks
+        section = tile // per_section
+        first = section * section_heads
+        heads = min(section_heads, num_tiles // num_m_blocks - first)
+        within = tile - section * per_section
+        step = within // heads
+        return num_m_blocks - 1 - step, first + within - step * heads
+    head_batch = tile // num_m_blocks
+    return num_m_blocks - 1 - (tile - head_batch * num_m_blocks), head_batch
+
+
+@pytest.mark.parametrize("num_m_blocks,head_batches", [(1, 1), (8, 128), (8, 5), (3, 7), (16, 64), (128, 16)])
+@pytest.mark.parametrize("section_heads", [0, 1, 3, 16, 24, 1000])
+def test_sectioned_tile_order_visits_every_tile_once_longest_first(num_m_blocks, head_batches, section_heads):
+    """Every (m_block, head_batch) exactly once; within a section of head_batches the query blocks come last first (the
+    causal tile with the most keys), and sections follow each other in head order (partial last section included)."""
+    num_tiles = num_m_blocks * head_batches
+    order = [decode_tile(t, num_m_blocks, num_tiles, section_heads) for t in range(num_tiles)]
+    assert sorted(order) == sorted((m, h) for m in range(num_m_blocks) for h in range(head_batches))
+    size = section_heads if section_heads > 0 else 1
+    for t in range(1, num_tiles):
+        (m0, h0), (m1, h1) = order[t - 1], order[t]
+        if h1 // size == h0 // size:
+            assert m1 <= m0, (t, order[t - 1], order[t])
+        else:
+            assert h1 // size == h0 // size + 1 and m1 == num_m_blocks - 1

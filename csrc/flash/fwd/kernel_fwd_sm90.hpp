@@ -214,21 +214,35 @@ struct FwdKernelTraits {
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
     bool pingpong;
-    // Tiles (m_block, head, batch), numbered head-major with m_block descending (decode_tile). A CTA starts at tile
-    // blockIdx.x and, when tile_counter is set (persistent launch, gridDim.x CTAs), takes further tiles from that
-    // zeroed counter: next = atomicAdd(tile_counter, 1) + gridDim.x.
+    // Tiles (m_block, head, batch), numbered head-major with m_block descending, or in sections (section_heads;
+    // decode_tile). A CTA starts at tile blockIdx.x and, when tile_counter is set (persistent launch, gridDim.x
+    // CTAs), takes further tiles from that zeroed counter: next = atomicAdd(tile_counter, 1) + gridDim.x.
     int num_m_blocks, num_tiles;
     int* tile_counter;
+    // > 0: tiles in sections of this many (head, batch) pairs, query blocks longest first across a section (causal
+    // and windowed launches: a shorter tail, with a section's K/V sized for L2); 0: head-major.
+    int section_heads;
   };
 
-  // Tile t: the heads' query blocks in order, the last query block first (with a causal mask it sees the most keys).
-  // Consecutive tiles read the same K/V (L2 reuse), and the query heads of a GQA group are adjacent. Also returns the
+  // Tile t: the heads' query blocks in order, the last query block first (with a causal mask it sees the most keys);
+  // consecutive tiles read the same K/V (L2 reuse), and the query heads of a GQA group are adjacent. With sections,
+  // each step of query blocks runs across the section's pairs, whose K/V the launcher sized to stay in L2. Also returns the
   // tile's sequence and its key-block range (empty for a query block past its sequence's end: varlen tiles are
   // counted with the longest sequence; such a tile writes nothing).
   CUTLASS_DEVICE static SeqlenInfo decode_tile(Params const& params, int tile, int& m_block, int& bidh,
                                                int& n_block_min, int& n_block_max) {
-    int const head_batch = tile / params.num_m_blocks;
-    m_block = params.num_m_blocks - 1 - (tile - head_batch * params.num_m_blocks);
+    int head_batch;
+    if (params.section_heads > 0) {
+      int const per_section = params.section_heads * params.num_m_blocks;
+      int const section = tile / per_section, first = section * params.section_heads;
+      int const heads = min(params.section_heads, params.num_tiles / params.num_m_blocks - first);
+      int const within = tile - section * per_section, step = within / heads;
+      m_block = params.num_m_blocks - 1 - step;
+      head_batch = first + (within - step * heads);
+    } else {
+      head_batch = tile / params.num_m_blocks;
+      m_block = params.num_m_blocks - 1 - (tile - head_batch * params.num_m_blocks);
+    }
     bidh = head_batch % params.nheads;
     SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k,
                           head_batch / params.nheads);

@@ -29,6 +29,21 @@ inline int fwd_persistent_max_key_blocks() {
   return value;
 }
 
+// Sectioned tile order for causal-like launches (Params::section_heads): (head, batch) pairs whose K and V fit in this
+// many MiB of L2 form a section; FAH_FWD_SECTION_MIB=0 keeps the head-major order. Why: in a list-scheduling model of
+// 132 SMs (scripts/tile_order_model.py) head-major reaches 0.89 of the ideal makespan at head_dim 256 causal 1024 and
+// 2048 and 0.94-0.97 elsewhere; sections 0.97-0.995 (the model is not monotone in the size, hence the divisor rule).
+// H200, 2026-12-03 (benchmarks/NOTES.md, session 32), bf16 causal against head-major, two 3-round runs: head_dim 256
+// 1024-4096 +4-7 %, head_dim 128 512-4096 +2-4 % (one run read 2048 at -6 %, the other +3 %), head_dim 64 1024-16384
+// +2-3 %; at 512 head_dim 64 and 256 lose 2-3 %. 24 MiB beat 8 and 12 MiB at 1024-4096.
+inline int fwd_section_mib() {
+  static int const value = [] {
+    char const* v = std::getenv("FAH_FWD_SECTION_MIB");
+    return v == nullptr ? 24 : std::atoi(v);
+  }();
+  return value;
+}
+
 template <class Element, int kHeadDim, class Cfg>
 cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kPersistent,
@@ -55,6 +70,23 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       Traits::kPersistent && p.tile_counter != nullptr &&
       ((Cfg::kPersistentUnmasked && unmasked && fwd_persistent_max_key_blocks() == kFwdPersistentMaxKeyBlocks) ||
        cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= fwd_persistent_max_key_blocks());
+  // Sections only where tile lengths fall with the query block (a causal-like triangle: a right limit, no left one);
+  // windowed tiles cost about the same each, and without a mask sections lost (session 5).
+  int section_heads = 0;
+  bool const triangle = window_left >= p.seqlen_k && window_right < p.seqlen_q;
+  int64_t const pairs = int64_t(p.nheads) * p.batch;
+  if (triangle && fwd_section_mib() > 0 && pairs > 1) {
+    // K and V bytes one (head, batch) pair reads, shared by the query heads of a GQA group
+    double const kv_bytes = double(p.seqlen_k) * (p.head_dim + p.head_dim_v) * sizeof(Element) /
+                            double(p.nheads / p.nheads_k);
+    double const fit_d = double(fwd_section_mib()) * (1 << 20) / std::max(kv_bytes, 1.0);
+    int64_t const fit = std::clamp<int64_t>(int64_t(std::min(fit_d, 1024.0)), 1, std::min<int64_t>(pairs, 1024));
+    // The largest section size within that which divides the pairs evenly (a short last section leaves a ragged
+    // tail in scripts/tile_order_model.py), unless that is under half of it.
+    int64_t s = fit;
+    while (s > fit / 2 && pairs % s != 0) { --s; }
+    section_heads = int(pairs % s == 0 ? s : fit);
+  }
   // Varlen: the packed rows as one batch element; sequences are found by row offsets in the kernel.
   bool const varlen = p.cu_seqlens_q != nullptr;
   if (varlen != (p.cu_seqlens_k != nullptr)) { return cudaErrorInvalidValue; }
@@ -104,6 +136,7 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       num_m_blocks,
       int(num_tiles),
       persistent ? p.tile_counter : nullptr,
+      section_heads,
   };
 
   // A softcap's fixed maximum: bf16 only (an fp16 P would underflow below it, flash/common/softmax.hpp); the fp16
