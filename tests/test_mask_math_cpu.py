@@ -410,6 +410,16 @@ def apply_one_sided(w, rows, cols, m_block, n_block):
     return torch.where(left.view(-1, 1, 1), both, right_only)
 
 
+def _case_window(block_m, block_n, seqlen_q, seqlen_k, window, lengths):
+    """The kernels' Window for a parametrized case; `lengths` (packed documents) replaces both seqlens."""
+    docs = (None, None)
+    if lengths is not None:
+        ids = _documents(lengths)
+        seqlen_q = seqlen_k = len(ids)
+        docs = document_bounds(ids)
+    return Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(*window, seqlen_q, seqlen_k), *docs)
+
+
 @pytest.mark.parametrize(
     "block_m,block_n,seqlen_q,seqlen_k,window,lengths",
     [
@@ -431,16 +441,11 @@ def test_one_sided_mask_matches_the_two_sided_rule(block_m, block_n, seqlen_q, s
     elements of the WGMMA accumulator (as modelled by wgmma_thread_coords; the GPU tests check the real layout): its
     limits are taken relative to the thread's first column, and the left test is dropped only where no row of the
     thread has a left limit past that column. Both paths must run where the case has a left limit."""
-    docs = (None, None)
-    if lengths is not None:
-        ids = _documents(lengths)
-        seqlen_q = seqlen_k = len(ids)
-        docs = document_bounds(ids)
-    w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(*window, seqlen_q, seqlen_k), *docs)
+    w = _case_window(block_m, block_n, seqlen_q, seqlen_k, window, lengths)
     rows, cols = wgmma_thread_coords(block_m, block_n)
     assert torch.equal(cols[:, 0], cols.min(1).values)  # the model's premise, which the kernel's layout shares
     one_compare = two_compare = 0  # threads on each path, over the masked (boundary) tiles
-    for m in range(ceil_div(seqlen_q, block_m)):
+    for m in range(ceil_div(w.sq, block_m)):
         n_min, n_max = w.n_block_range(m)
         interior_lo, interior_hi = w.interior_n_blocks(m)
         for n in range(n_min, n_max):
@@ -487,15 +492,10 @@ def test_one_sided_transposed_mask_matches_the_two_sided_rule(block_m, block_n, 
     of the thread has its upper row limit inside the block), it masks exactly what the two-sided test masks, on every
     boundary tile the backward visits (threads as modelled by wgmma_thread_coords: keys are the accumulator's rows,
     query rows its columns)."""
-    docs = (None, None)
-    if lengths is not None:
-        ids = _documents(lengths)
-        seqlen_q = seqlen_k = len(ids)
-        docs = document_bounds(ids)
-    w = Window(block_m, block_n, seqlen_q, seqlen_k, *kernel_window(*window, seqlen_q, seqlen_k), *docs)
+    w = _case_window(block_m, block_n, seqlen_q, seqlen_k, window, lengths)
     keys, cols = wgmma_thread_coords(block_n, block_m)
     one_compare = 0
-    for n in range(ceil_div(seqlen_k, block_n)):
+    for n in range(ceil_div(w.sk, block_n)):
         m_min, m_max = w.m_block_range(n)
         interior_lo, interior_hi = w.interior_m_blocks(n)
         for m in range(m_min, m_max):
