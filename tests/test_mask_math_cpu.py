@@ -481,6 +481,7 @@ def apply_transposed_one_sided(w, keys, cols, m_block, n_block):
         (64, 128, 1024, 1024, (-1, 0), None),  # head_dim 128's backward tiles, causal: the one-compare path
         (128, 128, 1024, 1024, (-1, 0), None),  # head_dim 64's
         (64, 128, 513, 700, (17, 3), None),  # upper limits inside blocks: the two-sided path
+        (64, 128, 513, 700, (20, 3), None),  # a thread's upper limit exactly kBlockM - 1 (fails "hi < kBlockM - 1")
         (64, 128, 700, 513, (-1, 0), None),  # seqlen_q > seqlen_k
         (64, 128, 77, 130, (-1, -1), None),  # seqlen_k's cut
         (128, 128, 300, 1000, (64, -1), None),

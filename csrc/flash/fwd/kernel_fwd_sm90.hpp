@@ -219,8 +219,8 @@ struct FwdKernelTraits {
     // CTAs), takes further tiles from that zeroed counter: next = atomicAdd(tile_counter, 1) + gridDim.x.
     int num_m_blocks, num_tiles;
     int* tile_counter;
-    // > 0: tiles in sections of this many (head, batch) pairs, query blocks longest first across a section (causal
-    // and windowed launches: a shorter tail, with a section's K/V sized for L2); 0: head-major.
+    // > 0: tiles in sections of this many (head, batch) pairs, query blocks longest first across a section
+    // (causal-like launches, no left limit: a shorter tail, with a section's K/V sized for L2); 0: head-major.
     int section_heads;
   };
 
