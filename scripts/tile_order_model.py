@@ -3,7 +3,8 @@
 fixed X (2.8 key blocks: session 5's fit of the per-tile cost). Prints each order's makespan against the ideal (total
 work / SMs): head-major (the submitted kernels: each (head, batch)'s query blocks, last first), sections of S (head,
 batch) pairs with query blocks longest first across a section (fwd_sectioned_tile_order_UNTESTED.patch), and a global
-longest-first order. Shapes of the benchmark grid (16384 tokens, nheads = 2048 / head_dim)."""
+longest-first order. Shapes of the benchmark grid (16384 tokens, nheads = 2048 / head_dim). --bwd: the same for the
+backward's CTAs (bwd_main)."""
 import heapq
 
 
@@ -55,5 +56,25 @@ def main(sms=132, x=2.8):
               + f"; the launcher's {s}: {ideal / makespan(chosen, sms):.3f}")
 
 
+def bwd_main(sms=132, x=2.0):
+    """The backward (bwd_cta_coords, launch_bwd_sm90.hpp): a CTA per key block of a (head, batch) pair, costing the
+    query blocks it visits (causal: key block n of N sees N - n of them in units of kBlockN rows) plus X; the grid's
+    order takes each pair's key blocks in turn, the longest first. Bytes per pair: Q, dO (bf16) and dQ (fp32) rows."""
+    for head_dim, block_m, block_n in ((64, 128, 128), (128, 64, 128), (256, 64, 64)):
+        for seqlen in (512, 1024, 2048, 4096, 8192):
+            num_n_blocks, pairs = seqlen // block_n, (2048 // head_dim) * (16384 // seqlen)
+            blocks_of = lambda m: (m + 1) * block_n / block_m  # m = num_n_blocks - 1 - n: the longest last
+            runs = list(orders(num_n_blocks, blocks_of, pairs, x))
+            ideal = sum(runs[0][1]) / sms
+            s = section_heads(pairs, seqlen * head_dim * 8 / 2**20)
+            chosen = [blocks_of(m) + x for s0 in range(0, pairs, s) for m in reversed(range(num_n_blocks))
+                      for _ in range(s0, min(pairs, s0 + s))]
+            line = ", ".join(f"{k} {ideal / makespan(c, sms):.3f}" for k, c in runs)
+            print(f"backward head_dim {head_dim} causal {seqlen}: " + line.replace("head-major", "grid order")
+                  + f"; the launcher's {s}: {ideal / makespan(chosen, sms):.3f}")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    bwd_main() if "--bwd" in sys.argv[1:] else main()
