@@ -10,15 +10,7 @@
 # 1024 and ~6 % at 4096: +1-2 % at causal 512-2048 backward, level without a mask.
 set -u
 export PYTHONUNBUFFERED=1
-if [[ ! -f .prebuilt/BM/_C.abi3.so ]]; then
-  python3 -c "import tarfile; tarfile.open('.prebuilt/pack/p.tar.xz').extractall('.prebuilt')" || exit 1
-fi
-cp -f .prebuilt/BM/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rf --timeout 100 \
-  tests/test_bwd_gpu.py tests/test_features_gpu.py tests/test_varlen_gpu.py tests/test_documents_gpu.py \
-  tests/test_deterministic_gpu.py tests/test_bwd_gqa_group_gpu.py tests/test_bug_reports_gpu.py \
-  tests/test_bug_reports_more_gpu.py tests/test_bug_reports_third_gpu.py > $OUT/pytest_BM.log 2>&1
-echo "pytest BM rc $?"; tail -n 3 $OUT/pytest_BM.log
+bash scripts/device_build_tests.sh bwd BM
 CASES="H31;BM" DIRECTION=bwd ROUNDS=${ROUNDS:-3} TAG=bm BACKENDS=ours \
   BENCH="--head-dims 64,128 --causal both --features dense,window,softcap --seqlens 512,1024,2048,4096,16384 --no-check --no-adjacent" \
   timeout ${AB_TIMEOUT:-330} bash scripts/device_env_ab.sh

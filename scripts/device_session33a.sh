@@ -12,15 +12,7 @@
 # without a mask and at 16384. Forward gate: head_dim 64/256 causal 512 +2-3 %, head_dim 128 causal 512 -2 %.
 set -u
 export PYTHONUNBUFFERED=1
-if [[ ! -f .prebuilt/BS/_C.abi3.so ]]; then
-  python3 -c "import tarfile; tarfile.open('.prebuilt/pack/p.tar.xz').extractall('.prebuilt')" || exit 1
-fi
-cp -f .prebuilt/BS/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rf --timeout 100 \
-  tests/test_bwd_gpu.py tests/test_features_gpu.py tests/test_varlen_gpu.py tests/test_documents_gpu.py \
-  tests/test_deterministic_gpu.py tests/test_bwd_gqa_group_gpu.py tests/test_bug_reports_gpu.py \
-  tests/test_bug_reports_more_gpu.py tests/test_bug_reports_third_gpu.py > $OUT/pytest_BS.log 2>&1
-echo "pytest BS rc $?"; tail -n 3 $OUT/pytest_BS.log
+bash scripts/device_build_tests.sh bwd BS
 CASES="BS FAH_BWD_SECTION_MIB=0;BS" DIRECTION=bwd ROUNDS=${ROUNDS:-3} TAG=bs BACKENDS=ours \
   BENCH="--head-dims 64,128,256 --causal both --features dense --seqlens 1024,2048,4096,8192,16384 --no-check --no-adjacent" \
   timeout ${AB_TIMEOUT:-240} bash scripts/device_env_ab.sh
