@@ -170,3 +170,46 @@ def test_sectioned_tile_order_visits_every_tile_once_longest_first(num_m_blocks,
             assert m1 <= m0, (t, order[t - 1], order[t])
         else:
             assert h1 // size == h0 // size + 1 and m1 == num_m_blocks - 1
+
+
+def bwd_cta_coords(block_idx, grid_dim, section_pairs):
+    """Port of the backward kernel's CTA renumbering (flash_bwd_sm90_kernel, Params::section_pairs): (n_block,
+    head_group, batch) of the CTA at block_idx (x, y, z) of a grid (key blocks, head groups, batch), started in
+    launch order (x fastest)."""
+    (bx, by, bz), (gx, gy, gz) = block_idx, grid_dim
+    if section_pairs > 0:
+        pairs, per_section = gy * gz, section_pairs * gx
+        cta = bx + gx * (by + gy * bz)
+        section = cta // per_section
+        first = section * section_pairs
+        in_section = min(section_pairs, pairs - first)
+        within = cta - section * per_section
+        n_block = within // in_section
+        pair = first + within - n_block * in_section
+        return n_block, pair % gy, pair // gy
+    return bx, by, bz
+
+
+@pytest.mark.parametrize(
+    "grid_dim", [(1, 1, 1), (16, 16, 8), (8, 5, 1), (3, 7, 2), (32, 4, 16), (128, 1, 16), (4, 3, 5)]
+)
+@pytest.mark.parametrize("section_pairs", [0, 1, 3, 8, 24, 1000])
+def test_backward_sectioned_order_visits_every_cta_once_longest_first(grid_dim, section_pairs):
+    """Every (key block, head group, batch) exactly once; in launch order, within a section of pairs (pair = head group
+    + groups * batch) the key blocks come in increasing order (under a causal mask key block 0 sees the most query
+    blocks), and sections follow each other (partial last section included); a section of one pair is the grid's
+    own order."""
+    gx, gy, gz = grid_dim
+    launch = [(x, y, z) for z in range(gz) for y in range(gy) for x in range(gx)]  # x fastest
+    order = [bwd_cta_coords(b, grid_dim, section_pairs) for b in launch]
+    assert sorted(order) == sorted(launch)
+    size = section_pairs if section_pairs > 0 else 1
+    pair = [y + gy * z for _, y, z in order]
+    for c in range(1, len(order)):
+        (n0, p0), (n1, p1) = (order[c - 1][0], pair[c - 1]), (order[c][0], pair[c])
+        if p1 // size == p0 // size:
+            assert n1 >= n0, (c, order[c - 1], order[c])
+        else:
+            assert p1 // size == p0 // size + 1 and n1 == 0
+    if section_pairs == 1:
+        assert order == launch

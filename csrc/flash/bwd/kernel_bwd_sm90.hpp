@@ -148,6 +148,11 @@ struct BwdTraitsBase {
     // stay in registers across the group's heads and are stored once (no fp32 sums).
     int heads_per_cta;
     int dq_lanes;  // copies of the dQ accumulator, one after another (BwdParams::dq_lanes)
+    // > 0: CTAs in sections of this many (head group, batch) pairs, key blocks in order (the longest first under a
+    // causal-like mask) across a section's pairs (the kernel's renumbering); 0: the grid's own order. Ignored in
+    // deterministic mode, whose CTAs wait only for key blocks launched before them, and by head_dim 64's softcap
+    // kernel.
+    int section_pairs;
   };
 };
 
@@ -1046,9 +1051,26 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
   bool const lane_predicate = cute::elect_one_sync();
   // Causal: the first key blocks are seen by the most query blocks; start them first. Deterministic mode: the last
   // first (see dq_turn).
-  int const n_block = kDeterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  int const bidh = blockIdx.y * params.heads_per_cta;  // the CTA's first query head
-  SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k, blockIdx.z);
+  int n_block = kDeterministic ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  int head_group = blockIdx.y, bidb = blockIdx.z;
+  // Not in deterministic mode (see Params::section_pairs), nor in head_dim 64's softcap consumers, whose loop spills
+  // more with the renumbered coordinates live instead of re-read special registers (ptxas: loop LDL 4 -> 10).
+  constexpr bool kSectioned = !kDeterministic && !(kSoftcap && Traits::kHeadDim <= 64);
+  if (kSectioned && params.section_pairs > 0) {
+    // CTAs start in launch order (blockIdx.x fastest): renumber them so that a section's pairs take each key block
+    // in turn, as the forward's decode_tile does with query blocks.
+    int const pairs = int(gridDim.y * gridDim.z), per_section = params.section_pairs * int(gridDim.x);
+    int const cta = int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    int const section = cta / per_section, first = section * params.section_pairs;
+    int const in_section = min(params.section_pairs, pairs - first);
+    int const within = cta - section * per_section;
+    n_block = within / in_section;
+    int const pair = first + within - n_block * in_section;
+    head_group = pair % int(gridDim.y);
+    bidb = pair / int(gridDim.y);
+  }
+  int const bidh = head_group * params.heads_per_cta;  // the CTA's first query head
+  SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k, bidb);
   // Varlen: the grid covers the longest sequence's key blocks; a block past this sequence's keys has nothing to do.
   if (n_block * Traits::kBlockN >= info.seqlen_k) { return; }
 

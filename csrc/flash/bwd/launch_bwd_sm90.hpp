@@ -1,7 +1,9 @@
 // Host side of the backward: preprocess, main kernel (TMA descriptors, grid, shared memory), postprocess.
 #pragma once
 
+#include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include <cuda_runtime.h>
@@ -12,11 +14,26 @@
 #include "flash/bwd/prepost_bwd_sm90.hpp"
 #include "flash/common/mask.hpp"
 #include "flash/common/softmax.hpp"
+#include "flash/common/tile_order.hpp"
 #include "flash/common/tma.hpp"
 #include "flash/config.hpp"
 #include "flash/params.hpp"
 
 namespace flash {
+
+// The backward's sections (Params::section_pairs): (head group, batch) pairs whose Q, dO and dQ accumulator rows fit
+// in this many MiB of L2; FAH_BWD_SECTION_MIB=0 keeps the grid's order (each pair's key blocks in turn). Model
+// (scripts/tile_order_model.py --bwd, session 32, CPU only): the grid's order reaches 0.93-0.95 of the ideal makespan
+// at head_dim 128 and 256 causal 1024-8192 and 0.97 at head_dim 64; sections 0.98-1.00. H200, 2026-12-03
+// (benchmarks/NOTES.md, session 33), bf16, 24 MiB against 0, median of 3 rounds: causal head_dim 128 1024-16384
+// +0-3.5 %, head_dim 256 2048-8192 +2-3.3 %, head_dim 64 1024-8192 +1-2.5 %; non-causal level (no sections there).
+inline int bwd_section_mib() {
+  static int const value = [] {
+    char const* v = std::getenv("FAH_BWD_SECTION_MIB");
+    return v == nullptr ? 24 : std::atoi(v);
+  }();
+  return value;
+}
 
 template <class Element, int kHeadDim>
 cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
@@ -154,11 +171,21 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       dkv_tma,
       p.heads_per_cta,
       p.dq_lanes,
+      0,  // section_pairs, set below with the grid
   };
   // Softcap and deterministic mode are template arguments: either one's code in the loop (softcap's registers; the
   // memory fences of deterministic mode, which turn every fire-and-forget dQ reduction into a waited-for atomic)
   // would slow the plain kernel down.
   dim3 grid(cute::ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads / p.heads_per_cta, p.batch);
+  // Sections under a causal-like mask outside deterministic mode (Params::section_pairs), where the CTA count fits
+  // an int. Bytes per pair: the Q and dO rows its CTAs all read and the fp32 dQ rows they all add into.
+  if (p.dq_semaphore == nullptr && causal_like(window_left, window_right, p.seqlen_q, p.seqlen_k) &&
+      int64_t(grid.x) * grid.y * grid.z <= INT32_MAX) {
+    kp.section_pairs = l2_section_pairs(
+        int64_t(grid.y) * grid.z,
+        double(p.seqlen_q) * p.heads_per_cta * ((p.head_dim + p.head_dim_v) * sizeof(Element) + kHeadDim * 4.0),
+        bwd_section_mib());
+  }
   auto launch = [&](auto softcap_c, auto deterministic_c) {
     constexpr bool kSoftcap = decltype(softcap_c)::value, kDeterministic = decltype(deterministic_c)::value;
     auto kernel = flash_bwd_sm90_kernel<Traits, kSoftcap, kDeterministic>;

@@ -11,6 +11,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "flash/common/tile_order.hpp"
 #include "flash/common/tma.hpp"
 #include "flash/config.hpp"
 #include "flash/fwd/kernel_fwd_sm90.hpp"
@@ -44,6 +45,17 @@ inline int fwd_section_mib() {
   return value;
 }
 
+// Sections only from this many query blocks per (head, batch) pair (FAH_FWD_SECTION_MIN_M_BLOCKS; 0 = always). With
+// few query blocks the tiles differ little in length. H200, 2026-12-03 (benchmarks/NOTES.md, session 33), bf16 causal
+// 512 (4 blocks of 128 rows), 8 against 0, 2 rounds: head_dim 64 +2-4 %, 256 +3.5 %, 128 -1 %.
+inline int fwd_section_min_m_blocks() {
+  static int const value = [] {
+    char const* v = std::getenv("FAH_FWD_SECTION_MIN_M_BLOCKS");
+    return v == nullptr ? 8 : std::atoi(v);
+  }();
+  return value;
+}
+
 template <class Element, int kHeadDim, class Cfg>
 cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<Element, kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kPersistent,
@@ -70,23 +82,16 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       Traits::kPersistent && p.tile_counter != nullptr &&
       ((Cfg::kPersistentUnmasked && unmasked && fwd_persistent_max_key_blocks() == kFwdPersistentMaxKeyBlocks) ||
        cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= fwd_persistent_max_key_blocks());
-  // Sections only where tile lengths fall with the query block (a causal-like triangle: a right limit, no left one);
-  // windowed tiles cost about the same each, and without a mask sections lost (session 5).
-  int section_heads = 0;
-  bool const triangle = window_left >= p.seqlen_k && window_right < p.seqlen_q;
-  int64_t const pairs = int64_t(p.nheads) * p.batch;
-  if (triangle && fwd_section_mib() > 0 && pairs > 1) {
-    // K and V bytes one (head, batch) pair reads, shared by the query heads of a GQA group
-    double const kv_bytes = double(p.seqlen_k) * (p.head_dim + p.head_dim_v) * sizeof(Element) /
-                            double(p.nheads / p.nheads_k);
-    double const fit_d = double(fwd_section_mib()) * (1 << 20) / std::max(kv_bytes, 1.0);
-    int64_t const fit = std::clamp<int64_t>(int64_t(std::min(fit_d, 1024.0)), 1, std::min<int64_t>(pairs, 1024));
-    // The largest section size within that which divides the pairs evenly (a short last section leaves a ragged
-    // tail in scripts/tile_order_model.py), unless that is under half of it.
-    int64_t s = fit;
-    while (s > fit / 2 && pairs % s != 0) { --s; }
-    section_heads = int(pairs % s == 0 ? s : fit);
-  }
+  // Sections only where tile lengths fall with the query block (causal_like); windowed tiles cost about the same
+  // each, and without a mask sections lost (session 5). Bytes per pair: the K and V it reads, shared by the query
+  // heads of a GQA group.
+  int const section_heads =
+      causal_like(window_left, window_right, p.seqlen_q, p.seqlen_k) && num_m_blocks >= fwd_section_min_m_blocks()
+          ? l2_section_pairs(int64_t(p.nheads) * p.batch,
+                             double(p.seqlen_k) * (p.head_dim + p.head_dim_v) * sizeof(Element) /
+                                 double(p.nheads / p.nheads_k),
+                             fwd_section_mib())
+          : 0;
   // Varlen: the packed rows as one batch element; sequences are found by row offsets in the kernel.
   bool const varlen = p.cu_seqlens_q != nullptr;
   if (varlen != (p.cu_seqlens_k != nullptr)) { return cudaErrorInvalidValue; }
