@@ -277,8 +277,9 @@ def attention(
             (double backward is not supported: ``create_graph=True`` works, a second backward through it raises).
 
     Gradients: when q, k or v requires grad, ``out`` (and ``lse``) backpropagate through the FlashAttention-3
-    backward (paper §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = α dS K, dK = α dSᵀ Q),
-    recomputing P from the saved LSE; saved state is q, k, v, out and lse (and the document bounds). ``lse`` is differentiable: since
+    backward (paper §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = dsoftmax(dP), dQ = α dS K, dK = α dSᵀ Q; the row-wise
+    dsoftmax is computed as dS = P ∘ (dP − D) with D = rowsum(P ∘ dP) = rowsum(dO ∘ O)), recomputing P from the
+    saved LSE; saved state is q, k, v, out and lse (and the document bounds). ``lse`` is differentiable: since
     d LSE_i / d S_ij = P_ij, a loss that uses it adds ``P ∘ dLSE`` to dS at no extra cost (what ring and
     context-parallel attention need to merge partial results).
 

@@ -9,15 +9,15 @@
 
 namespace flash {
 
-// Tile lengths fall with the query block (forward) or rise with the key block (backward) only under a right limit
+// Tile lengths grow with the query block (forward) and shrink with the key block (backward) only under a right limit
 // and no left one: causal, or a window (-1, r); window sides as kernel_window gives them.
 inline bool causal_like(int window_left, int window_right, int seqlen_q, int seqlen_k) {
   return window_left >= seqlen_k && window_right < seqlen_q;
 }
 
-// Pairs per section: those whose bytes fit budget_mib, lowered to the largest size that divides the pair count evenly
-// (a short last section leaves a ragged tail in the model, which is not monotone in the size) unless that is under
-// half of it; 0 (no sections) for a budget of 0 or a single pair.
+// Pairs per section: those whose bytes fit budget_mib (fit), lowered to the largest size above fit / 2 (rounded down)
+// that divides the pair count evenly (a short last section leaves a ragged tail in the model, which is not monotone in
+// the size), else fit itself; 0 (no sections) for a budget of 0 or a single pair.
 inline int l2_section_pairs(int64_t pairs, double bytes_per_pair, int budget_mib) {
   if (budget_mib <= 0 || pairs <= 1) { return 0; }
   double const fit_d = double(budget_mib) * (1 << 20) / std::max(bytes_per_pair, 1.0);

@@ -82,7 +82,7 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       Traits::kPersistent && p.tile_counter != nullptr &&
       ((Cfg::kPersistentUnmasked && unmasked && fwd_persistent_max_key_blocks() == kFwdPersistentMaxKeyBlocks) ||
        cute::ceil_div(keys_per_tile, int64_t(Traits::kBlockN)) <= fwd_persistent_max_key_blocks());
-  // Sections only where tile lengths fall with the query block (causal_like); windowed tiles cost about the same
+  // Sections only where tile lengths grow with the query block (causal_like); windowed tiles cost about the same
   // each, and without a mask sections lost (session 5). Bytes per pair: the K and V it reads, shared by the query
   // heads of a GQA group.
   int const section_heads =
