@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 33, call 4: the backward's tail split (csrc/flash/bwd/tail_split.hpp) on H34 (the working tree's full build,
+# Session 33, call 4 (needs results/2026-12-03_h200_session33/bwd_tail_split_NOT_LANDED.patch applied: the tail
+# split did not land): the backward's tail split (csrc/flash/bwd/tail_split.hpp) on H34 (that tree's full build,
 # made on the CPU machine with the device's torch, carried in .prebuilt/pack/p.tar.xz). The forward kernels' SASS is
 # H33's (checked on the CPU machine), so the forward-side tests of call 1 stand for them. First the backward-side
 # GPU test files, the tail split's own tests and the fourth bug-report round; then FAH_BWD_TAIL_SPLIT=0 against the
