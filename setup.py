@@ -31,7 +31,10 @@ def _list_knob(name, allowed, cast):
     raw = os.environ.get(name, "")
     if not raw.strip():
         return list(allowed)
-    values = [cast(x.strip()) for x in raw.split(",") if x.strip()]
+    try:
+        values = [cast(x.strip()) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        sys.exit(f"{name}={raw!r}: expected a comma-separated list from {list(allowed)}")
     bad = [x for x in values if x not in allowed]
     if bad:
         sys.exit(f"{name}: {bad} not in {list(allowed)}")
@@ -99,8 +102,8 @@ def _extension():
         "--expt-extended-lambda",
         # WGMMA tile widths that are not powers of two (N = 112 for head_dim 192's kBlockN).
         "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
-        "-Xptxas=-v" if os.environ.get("FAH_PTXAS_VERBOSE") else "",
-        "--resource-usage" if os.environ.get("FAH_PTXAS_VERBOSE") else "",
+        "-Xptxas=-v" if os.environ.get("FAH_PTXAS_VERBOSE", "0") not in ("", "0") else "",
+        "--resource-usage" if os.environ.get("FAH_PTXAS_VERBOSE", "0") not in ("", "0") else "",
         "-U__CUDA_NO_HALF_OPERATORS__",
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__",

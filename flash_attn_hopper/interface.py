@@ -261,9 +261,9 @@ def attention(
         seqlen_q > seqlen_k, or a window that misses every key) has an output row of exactly 0 and LSE ``-inf``.
 
     Raises:
-        TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16, or the dtypes differ;
-            softmax_scale or softcap is not a real number; causal, return_lse or deterministic is not a bool;
-            window_size is not a pair of ints; document_ids is not an integer tensor.
+        TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16 (or one this build does not
+            include), or the dtypes differ; softmax_scale or softcap is not a real number; causal, return_lse or
+            deterministic is not a bool; window_size is not a pair of ints; document_ids is not an integer tensor.
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is
@@ -529,9 +529,9 @@ def attention_varlen(
 
     Raises:
         TypeError: as ``attention``; cu_seqlens not tensors; max_seqlen not Python ints.
-        ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D, of
-            different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen below the longest
-            sequence or negative; more than 65535 sequences.
+        ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D,
+            not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
+            below the longest sequence, negative, or 2^31 or more; more than 65535 sequences.
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
