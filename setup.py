@@ -63,6 +63,7 @@ def _cxx_std():
 
 
 def _extension():
+    ptxas_verbose = os.environ.get("FAH_PTXAS_VERBOSE", "0") not in ("", "0")
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 
@@ -102,8 +103,8 @@ def _extension():
         "--expt-extended-lambda",
         # WGMMA tile widths that are not powers of two (N = 112 for head_dim 192's kBlockN).
         "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
-        "-Xptxas=-v" if os.environ.get("FAH_PTXAS_VERBOSE", "0") not in ("", "0") else "",
-        "--resource-usage" if os.environ.get("FAH_PTXAS_VERBOSE", "0") not in ("", "0") else "",
+        "-Xptxas=-v" if ptxas_verbose else "",
+        "--resource-usage" if ptxas_verbose else "",
         "-U__CUDA_NO_HALF_OPERATORS__",
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__",

@@ -226,9 +226,9 @@ struct FwdKernelTraits {
 
   // Tile t: the heads' query blocks in order, the last query block first (with a causal mask it sees the most keys);
   // consecutive tiles read the same K/V (L2 reuse), and the query heads of a GQA group are adjacent. With sections,
-  // each step of query blocks runs across the section's pairs, whose K/V the launcher sized to stay in L2. Also returns the
-  // tile's sequence and its key-block range (empty for a query block past its sequence's end: varlen tiles are
-  // counted with the longest sequence; such a tile writes nothing).
+  // each step of query blocks runs across the section's pairs, whose K/V the launcher sized to stay in L2. Also
+  // returns the tile's sequence and its key-block range (empty for a query block past its sequence's end: varlen
+  // tiles are counted with the longest sequence; such a tile writes nothing).
   CUTLASS_DEVICE static SeqlenInfo decode_tile(Params const& params, int tile, int& m_block, int& bidh,
                                                int& n_block_min, int& n_block_max) {
     int head_batch;
