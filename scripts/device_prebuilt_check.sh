@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # usage: [FAH_SKIP_TESTS=1 | FAH_SKIP_BENCH=1] [CHECK_TIMEOUT=s] bash scripts/device_prebuilt_check.sh BUILD
-# scripts/gpu_check.sh on a build made on the CPU machine and carried in .prebuilt/pack/p.tar.xz as .prebuilt/BUILD
-# (its _C.abi3.so and build.log with the ptxas report): FAH_PREBUILT=1, the caller's FAH_SKIP_* knobs passed on. The
-# check's logs stay in /tmp/gc_BUILD; summary.txt, pytest.log, kernels.txt, bench_attention.json and bench_extra.tar.gz
-# (those that exist) are copied to $OUT.
+# scripts/gpu_check.sh on a build made on the CPU machine and carried as .prebuilt/BUILD (its _C.abi3.so and build.log
+# with the ptxas report) in one of the .tar.xz files of .prebuilt/pack (all are unpacked): FAH_PREBUILT=1, the
+# caller's FAH_SKIP_* knobs passed on. The check's logs stay in /tmp/gc_BUILD; summary.txt, pytest.log, kernels.txt,
+# bench_attention.json and bench_extra.tar.gz (those that exist) are copied to $OUT.
 set -u
 B=$1
 if [[ ! -f .prebuilt/$B/_C.abi3.so ]]; then
-  python3 -c "import tarfile; tarfile.open('.prebuilt/pack/p.tar.xz').extractall('.prebuilt')" || exit 1
+  for f in .prebuilt/pack/*.tar.xz; do
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.prebuilt')" $f || exit 1
+  done
 fi
 rm -f flash_attn_hopper/_C*.so
 cp -f .prebuilt/$B/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1

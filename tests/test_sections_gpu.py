@@ -1,0 +1,89 @@
+"""The sectioned tile orders of causal-like launches (flash/common/tile_order.hpp l2_section_pairs; the forward's
+decode_tile and the backward's CTA renumbering) with budgets small enough that sections hold a few (head, batch)
+pairs and the last one is partial, as the default 24 MiB only gives at larger shapes: forward and backward against the float32 reference by the rule of DESIGN.md §3, in a fresh
+process (the knobs are read once per process). Skipped, with the reason, without an sm90 GPU and the built
+extension."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import flash_attn_hopper
+from gpu_helpers import built_dtype as _built_dtype
+
+pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
+
+# Run in the child: each case is (batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, window); causal-like masks
+# only (causal, or a window (-1, r)). Prints "ok <case>" per case, then "done".
+CHILD = r"""
+import sys, torch
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+from flash_attn_hopper import attention
+from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads
+torch.manual_seed(0)
+dtype = {dtype}
+for batch, nheads, nheads_k, sq, sk, hd, window in {cases!r}:
+    q = torch.randn(batch, sq, nheads, hd, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, sk, nheads_k, hd, device="cuda", dtype=dtype) for _ in range(2))
+    dout = torch.randn(batch, sq, nheads, hd, device="cuda", dtype=dtype)
+    opts = dict(window_size=window) if window is not None else dict(causal=True)
+    name = f"{{batch}}x{{nheads}}/{{nheads_k}} {{sq}}x{{sk}} hd{{hd}} {{opts}}"
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out, lse = attention(*leaves, return_lse=True, **opts)
+    ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
+    naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
+    assert_close_by_rule(out, ref, naive, name + " out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, name + " lse")
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_g = attention_ref_grads(q, k, v, dout, upcast=True, **opts)
+    naive_g = attention_ref_grads(q, k, v, dout, upcast=False, **opts)
+    for gname, g, r, n in zip(("dq", "dk", "dv"), grads, ref_g, naive_g):
+        assert_close_by_rule(g, r, n, name + " " + gname)
+    print("ok", name, flush=True)
+print("done")
+"""
+
+
+def _section_pairs(pairs, bytes_per_pair, budget_mib):
+    """Port of l2_section_pairs (flash/common/tile_order.hpp)."""
+    if budget_mib <= 0 or pairs <= 1:
+        return 0
+    fit = max(1, min(int(min(budget_mib * (1 << 20) / max(bytes_per_pair, 1.0), 1024.0)), pairs, 1024))
+    s = fit
+    while s > fit // 2 and pairs % s != 0:
+        s -= 1
+    return s if pairs % s == 0 else fit
+
+
+def _partial_budget(pairs, bytes_per_pair):
+    """The smallest whole MiB budget whose sections leave a partial last one."""
+    for mib in range(1, 64):
+        size = _section_pairs(pairs, bytes_per_pair, mib)
+        if size > 0 and pairs % size != 0:
+            return mib
+    raise AssertionError("no budget gives a partial last section")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_partial_last_sections(head_dim):
+    """Budgets chosen so that the first case (7 pairs of seqlen 1000) has a partial last section in the forward (bytes
+    per pair: K and V rows) and the backward (Q, dO and the fp32 dQ rows), sections from any number of query blocks;
+    the other cases (5, 6 with GQA, 7 pairs under a window (-1, 40)) take what those budgets give."""
+    dtype = _built_dtype(head_dim)
+    fwd_mib = _partial_budget(7, 1000 * 2 * head_dim * 2)
+    bwd_mib = _partial_budget(7, 1000 * (2 * head_dim * 2 + head_dim * 4))
+    cases = [(1, 7, 7, 1000, 1000, head_dim, None), (5, 1, 1, 1100, 1200, head_dim, None),
+             (1, 6, 2, 900, 1300, head_dim, None), (7, 1, 1, 777, 777, head_dim, (-1, 40))]
+    code = CHILD.format(root=PACKAGE_ROOT, tests=os.path.join(ROOT, "tests"), dtype=f"torch.{str(dtype).split('.')[-1]}",
+                        cases=cases)
+    env = dict(os.environ, FAH_FWD_SECTION_MIB=str(fwd_mib), FAH_BWD_SECTION_MIB=str(bwd_mib),
+               FAH_FWD_SECTION_MIN_M_BLOCKS="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0 and r.stdout.strip().endswith("done"), tail
+    assert r.stdout.count("ok ") == len(cases), tail
