@@ -32,8 +32,13 @@ def measure(shapes, causal):
         q, k, v, dout = (torch.randn(batch, seqlen, nheads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
                          for _ in range(4))
         leaves = [t.requires_grad_(True) for t in (q, k, v)]
-        o = flash_attn_hopper.attention(*leaves, causal=causal)
-        ms = triton.testing.do_bench_cudagraph(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
+        # autograd runs the backward on the forward's stream, so the forward is captured too (a forward outside the
+        # capture sends the backward to the default stream and invalidates it); backward = both minus the forward.
+        both = triton.testing.do_bench_cudagraph(
+            lambda: torch.autograd.grad(flash_attn_hopper.attention(*leaves, causal=causal), leaves, dout))
+        with torch.no_grad():
+            fwd = triton.testing.do_bench_cudagraph(lambda: flash_attn_hopper.attention(q, k, v, causal=causal))
+        ms = both - fwd
         flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * head_dim / (2 if causal else 1)
         out["x".join(map(str, shape))] = flops / ms / 1e9
     return out
