@@ -7,9 +7,13 @@
 set -u
 B=$1
 if [[ ! -f .prebuilt/$B/_C.abi3.so ]]; then
-  for f in .prebuilt/pack/*.tar.xz; do
-    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.prebuilt')" $f || exit 1
+  shopt -s nullglob
+  packs=(.prebuilt/pack/*.tar.xz)
+  if (( ${#packs[@]} == 0 )); then echo "no .prebuilt/pack/*.tar.xz carried" >&2; exit 1; fi
+  for f in "${packs[@]}"; do
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.prebuilt')" "$f" || exit 1
   done
+  if [[ ! -f .prebuilt/$B/_C.abi3.so ]]; then echo "no .prebuilt/$B/_C.abi3.so in the packs" >&2; exit 1; fi
 fi
 rm -f flash_attn_hopper/_C*.so
 cp -f .prebuilt/$B/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1

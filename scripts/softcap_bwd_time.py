@@ -20,6 +20,6 @@ for hd in hdims:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             out = fah.attention(q, k, v, causal=causal, softcap=cap)
             ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
-                                         warmup=25, rep=100)
+                                         warmup=25, rep=100, return_mode="median")
             flops = 2.5 * 4 * b * h * s * s * hd / (2 if causal else 1)
             print(f"| {hd} | {'yes' if causal else 'no'} | {s} | softcap {cap:g} | bwd {flops / ms / 1e9:.1f} TFLOP/s |")

@@ -1,8 +1,11 @@
 """The sectioned tile orders of causal-like launches (flash/common/tile_order.hpp l2_section_pairs; the forward's
 decode_tile and the backward's CTA renumbering) with budgets small enough that sections hold a few (head, batch)
-pairs and the last one is partial, as the default 24 MiB only gives at larger shapes: forward and backward against the float32 reference by the rule of DESIGN.md §3, in a fresh
-process (the knobs are read once per process). Skipped, with the reason, without an sm90 GPU and the built
-extension."""
+pairs and the last one is partial, as the default 24 MiB only gives at larger shapes: forward and backward against the
+float32 reference by the rule of DESIGN.md §3, outputs and workspaces from NaN-poisoned memory, in a fresh process (the
+knobs are read once per process). A skipped tile or CTA shows up as NaN or a wrong block; a forward tile done twice
+does not (its stores are idempotent), a backward CTA done twice does (dQ is a sum). The section sizes come from a
+Python port of l2_section_pairs and the launchers' bytes per pair; if those change, the test's premise check below
+fails. Skipped, with the reason, without an sm90 GPU and the built extension."""
 
 import os
 import subprocess
@@ -25,6 +28,7 @@ import sys, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 from flash_attn_hopper import attention
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads
+from gpu_helpers import poison_allocator
 torch.manual_seed(0)
 dtype = {dtype}
 for batch, nheads, nheads_k, sq, sk, hd, window in {cases!r}:
@@ -34,11 +38,14 @@ for batch, nheads, nheads_k, sq, sk, hd, window in {cases!r}:
     opts = dict(window_size=window) if window is not None else dict(causal=True)
     name = f"{{batch}}x{{nheads}}/{{nheads_k}} {{sq}}x{{sk}} hd{{hd}} {{opts}}"
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    rows = batch * nheads * -(-sq // 128) * 128  # the backward's workspaces: rows rounded to 128
+    poison_allocator(q.numel() * 2, batch * nheads * sq * 4, rows * hd * 4, rows * 4, k.numel() * 2)
     out, lse = attention(*leaves, return_lse=True, **opts)
     ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
     naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
     assert_close_by_rule(out, ref, naive, name + " out")
     assert_close_by_rule(lse, ref_lse, naive_lse, name + " lse")
+    poison_allocator(q.numel() * 2, rows * hd * 4, rows * 4, k.numel() * 2, k.numel() * 4)
     grads = torch.autograd.grad(out, leaves, dout)
     ref_g = attention_ref_grads(q, k, v, dout, upcast=True, **opts)
     naive_g = attention_ref_grads(q, k, v, dout, upcast=False, **opts)
@@ -69,16 +76,34 @@ def _partial_budget(pairs, bytes_per_pair):
     raise AssertionError("no budget gives a partial last section")
 
 
+def _fwd_bytes(case):
+    """launch_fwd_sm90.hpp: K and V rows of a pair, shared by a GQA group's query heads (2-byte elements)."""
+    batch, nheads, nheads_k, sq, sk, hd, window = case
+    return sk * (hd + hd) * 2 / (nheads // nheads_k)
+
+
+def _bwd_bytes(case):
+    """launch_bwd_sm90.hpp: Q and dO rows (2-byte elements) and the fp32 dQ rows of a pair (one head per CTA at
+    these small grids)."""
+    batch, nheads, nheads_k, sq, sk, hd, window = case
+    return sq * ((hd + hd) * 2 + hd * 4.0)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_partial_last_sections(head_dim):
-    """Budgets chosen so that the first case (7 pairs of seqlen 1000) has a partial last section in the forward (bytes
-    per pair: K and V rows) and the backward (Q, dO and the fp32 dQ rows), sections from any number of query blocks;
-    the other cases (5, 6 with GQA, 7 pairs under a window (-1, 40)) take what those budgets give."""
+    """Budgets chosen so that the first case (7 pairs of seqlen 1000) has a partial last section in the forward and the
+    backward, sections from any number of query blocks; the other cases (5 pairs, a GQA group of 3 with seqlen_k >
+    seqlen_q, 7 pairs under a window (-1, 40)) were picked to have one too under those budgets, which is checked."""
     dtype = _built_dtype(head_dim)
-    fwd_mib = _partial_budget(7, 1000 * 2 * head_dim * 2)
-    bwd_mib = _partial_budget(7, 1000 * (2 * head_dim * 2 + head_dim * 4))
-    cases = [(1, 7, 7, 1000, 1000, head_dim, None), (5, 1, 1, 1100, 1200, head_dim, None),
-             (1, 6, 2, 900, 1300, head_dim, None), (7, 1, 1, 777, 777, head_dim, (-1, 40))]
+    cases = [(1, 7, 7, 1000, 1000, head_dim, None), (5, 1, 1, 822, 822, head_dim, None),
+             (1, 9, 3, 456, 1406, head_dim, None), (7, 1, 1, 777, 777, head_dim, (-1, 40))]
+    fwd_mib = _partial_budget(7, _fwd_bytes(cases[0]))
+    bwd_mib = _partial_budget(7, _bwd_bytes(cases[0]))
+    for case in cases:
+        pairs = case[0] * case[1]
+        for mib, nbytes in ((fwd_mib, _fwd_bytes(case)), (bwd_mib, _bwd_bytes(case))):
+            size = _section_pairs(pairs, nbytes, mib)
+            assert 1 < size < pairs and pairs % size != 0, f"premise: {case} at {mib} MiB gives sections of {size}"
     code = CHILD.format(root=PACKAGE_ROOT, tests=os.path.join(ROOT, "tests"), dtype=f"torch.{str(dtype).split('.')[-1]}",
                         cases=cases)
     env = dict(os.environ, FAH_FWD_SECTION_MIB=str(fwd_mib), FAH_BWD_SECTION_MIB=str(bwd_mib),

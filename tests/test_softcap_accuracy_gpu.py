@@ -34,8 +34,8 @@ def test_softcap_small_scores(dtype, head_dim, causal):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_softcap_rows_of_mixed_magnitude(dtype, head_dim, cap):
-    """Query rows scaled from 0.2 to 10 in a repeating pattern, keys likewise in the reverse pattern, so one warp's
-    scores run from the linear part of tanh to its saturation."""
+    """Query rows scaled from 0.2 to 10 in a repeating pattern (times sqrt(cap / 8), so up to 25 at cap 50), keys from
+    0.2 to 10 in the reverse pattern, so one warp's scores run from the linear part of tanh to its saturation."""
     _require_built(head_dim, dtype)
     q, k, v, dout = _inputs(2, 333, 290, 2, 2, head_dim, dtype)
     row_scale = torch.tensor([0.2, 0.5, 1.0, 3.0, 10.0], device="cuda").repeat(80)
