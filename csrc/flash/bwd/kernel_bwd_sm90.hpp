@@ -194,11 +194,16 @@ struct BwdSwapKernelTraits
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
-  // dQ_tile = dS K: (M = kBlockM rows, N = head_dim, K = kBlockN keys), warpgroups split N.
+  // dQ_tile = dS K: (M = kBlockM rows, N = head_dim, K = kBlockN keys). With 64 rows per warpgroup (head_dim 64's
+  // kBlockM 128) the warpgroups split M: each reads only its own rows of dS, with N the whole head_dim (m64n64k16,
+  // as FlashAttention-3/4 run head_dim 64), instead of all of dS twice at N = head_dim / 2. Else they split N.
+  static constexpr bool kDQSplitRows = kBlockM == 64 * Base::NumMmaWarpGroups;
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kDQSplitRows ? 64 : kBlockM>, Int<kDQSplitRows ? kHeadDim : kHeadDim / 2>,
+                                 Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));
+      Layout<Shape<Int<kDQSplitRows ? 2 : 1>, Int<kDQSplitRows ? 1 : 2>, _1>>{}));
 
   // dS: (kBlockM, kBlockN, 2 buffers), keys contiguous (K-major A operand of dQ); written through the transposed
   // view from the dSᵀ accumulator layout.
@@ -790,12 +795,13 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
         convert_type_into(tSrS, tdVrP);
         convert_type_into(tdPrdP, tdKrdS);
 
-        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
-        // dS (both warpgroups' keys) for dQ; the buffer written here was last read by the dQ GEMM two iterations
-        // ago, which every warpgroup finished before the previous iteration's barrier.
+        // dS (both warpgroups' keys) for dQ, stored before dV is issued (FlashAttention-3/4's order: dS reaches the
+        // barrier sooner, and its stores do not meet dV's dOᵀ reads); the buffer written here was last read by the dQ
+        // GEMM two iterations ago, which every warpgroup finished before the previous iteration's barrier.
         Tensor tdSrdS = make_tensor(tdKrdS.data(), tdPrdP.layout());  // accumulator view of the same registers
         copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_buf));
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
+        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
         consumers_sync();
 
         Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
