@@ -197,6 +197,8 @@ struct BwdSwapKernelTraits
   // dQ_tile = dS K: (M = kBlockM rows, N = head_dim, K = kBlockN keys). With 64 rows per warpgroup (head_dim 64's
   // kBlockM 128) the warpgroups split M: each reads only its own rows of dS, with N the whole head_dim (m64n64k16,
   // as FlashAttention-3/4 run head_dim 64), instead of all of dS twice at N = head_dim / 2. Else they split N.
+  // H200, 2026-12-03 (session 35, bf16, 3 rounds, TFLOP/s): head_dim 64 backward 2048-16384 +3-4 % (e.g. non-causal
+  // 16384 468-472 -> 485-490), HGMMAs per iteration 40 -> 32.
   static constexpr bool kDQSplitRows = kBlockM == 64 * Base::NumMmaWarpGroups;
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
@@ -797,7 +799,10 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
 
         // dS (both warpgroups' keys) for dQ, stored before dV is issued (FlashAttention-3/4's order: dS reaches the
         // barrier sooner, and its stores do not meet dV's dOᵀ reads); the buffer written here was last read by the dQ
-        // GEMM two iterations ago, which every warpgroup finished before the previous iteration's barrier.
+        // GEMM two iterations ago, which every warpgroup finished before the previous iteration's barrier. H200,
+        // 2026-12-03 (session 35, bf16, 3 rounds): head_dim 128 +1-2.5 %, head_dim 64 a further +2-5 % over the row
+        // split (non-causal 16384 485-490 -> 504-514) though its spills grow from 24/32 to 56/72 B. Issuing dK before
+        // the barrier as well lost 3-9 % at head_dim 128: the dQ tile's stores then no longer overlap dK.
         Tensor tdSrdS = make_tensor(tdKrdS.data(), tdPrdP.layout());  // accumulator view of the same registers
         copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_buf));
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
