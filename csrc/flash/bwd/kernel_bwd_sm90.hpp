@@ -673,8 +673,8 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
 }
 
 // Consumer of the kSwapSdP variant (mma_tidx in [0, NumMmaThreads)). Per Q tile and warpgroup (64 keys):
-//   Sᵀ, dPᵀ (SS) -> Pᵀ = exp2(Sᵀ·scale_log2 − LSE_log2), dSᵀ = Pᵀ ∘ (dPᵀ − D) -> dV += Pᵀ dO (RS, issued first)
-//   -> dS to shared memory, one barrier -> dQ_tile = dS K (SS) and dK += dSᵀ Q (RS) -> dQ_tile to shared memory
+//   Sᵀ, dPᵀ (SS) -> Pᵀ = exp2(Sᵀ·scale_log2 − LSE_log2), dSᵀ = Pᵀ ∘ (dPᵀ − D) -> dS to shared memory
+//   -> dV += Pᵀ dO (RS), one barrier -> dQ_tile = dS K (SS) and dK += dSᵀ Q (RS) -> dQ_tile to shared memory
 //   for the writer warp while dK runs.
 template <class Traits, bool kSoftcap, bool kDeterministic>
 CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, typename Traits::SharedStorage& ss,
@@ -802,7 +802,8 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
         // GEMM two iterations ago, which every warpgroup finished before the previous iteration's barrier. H200,
         // 2026-12-03 (session 35, bf16, 3 rounds): head_dim 128 +1-2.5 %, head_dim 64 a further +2-5 % over the row
         // split (non-causal 16384 485-490 -> 504-514) though its spills grow from 24/32 to 56/72 B. Issuing dK before
-        // the barrier as well lost 3-9 % at head_dim 128: the dQ tile's stores then no longer overlap dK.
+        // the barrier as well lost 3-9 % at head_dim 128 from 4096 (won 3 % at non-causal 1024): the dQ tile's stores
+        // then no longer overlap dK, we think.
         Tensor tdSrdS = make_tensor(tdKrdS.data(), tdPrdP.layout());  // accumulator view of the same registers
         copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_buf));
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
