@@ -197,7 +197,7 @@ struct BwdSwapKernelTraits
   // dQ_tile = dS K: (M = kBlockM rows, N = head_dim, K = kBlockN keys). With 64 rows per warpgroup (head_dim 64's
   // kBlockM 128) the warpgroups split M: each reads only its own rows of dS, with N the whole head_dim (m64n64k16,
   // as FlashAttention-3/4 run head_dim 64), instead of all of dS twice at N = head_dim / 2. Else they split N.
-  // H200, 2026-12-03 (session 35, bf16, 3 rounds, TFLOP/s): head_dim 64 backward 2048-16384 +3-4 % (e.g. non-causal
+  // H200, 2026-12-03 (session 35, bf16, 3 rounds, TFLOP/s): head_dim 64 backward 2048-16384 +3-6 % (e.g. non-causal
   // 16384 468-472 -> 485-490), HGMMAs per iteration 40 -> 32.
   static constexpr bool kDQSplitRows = kBlockM == 64 * Base::NumMmaWarpGroups;
   using TiledMmadQ = decltype(make_tiled_mma(
