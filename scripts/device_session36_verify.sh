@@ -37,7 +37,7 @@ else
   [ -f $OUT/bench.log ] && cp -f $OUT/bench.log $FINAL/
   export OUT=$FINAL
   if [[ ${EXTRA:-1} == 1 ]]; then
-    timeout 60 python3 scripts/bwd_breakdown.py > $OUT/bwd_breakdown.txt 2>&1; echo "breakdown rc $?"; tail -n 15 $OUT/bwd_breakdown.txt
+    timeout 90 python3 scripts/bwd_breakdown.py 64,128,256 4096,16384 > $OUT/bwd_breakdown.txt 2>&1; echo "breakdown rc $?"; tail -n 15 $OUT/bwd_breakdown.txt
     timeout ${FP16_TIMEOUT:-100} python3 -m flash_attn_hopper.benchmark --dtype fp16 --features dense --seqlens 4096,16384 \
       --backends ours --direction fwd --no-bar --json $OUT/fp16.json > $OUT/fp16.log 2>&1
     timeout ${FP16_TIMEOUT:-100} python3 -m flash_attn_hopper.benchmark --dtype bf16 --features dense --seqlens 4096,16384 \
