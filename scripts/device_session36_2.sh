@@ -14,7 +14,7 @@ for r in 1 2; do
   order=("${C[@]}"); if (( r == 2 )); then order=("${C[2]}" "${C[1]}" "${C[0]}"); fi
   for e in "${order[@]}"; do
     echo "== gqa round $r: $e"
-    env $e timeout 100 python3 scripts/gqa_bwd_points.py ${GQA_SEQ:-2048,4096,8192} ${GQA_HK:-16,8,4,2} 2>&1 | tee -a $OUT/gqa_$e.txt
+    env $e timeout 100 python3 scripts/gqa_bwd_points.py ${GQA_SEQ:-2048,4096,8192} ${GQA_HK:-16,8,4,2} 2>&1 | tee -a $OUT/gqa_$(echo $e | tr "=" "_").txt
   done
 done
 for r in 1 2; do
