@@ -1,7 +1,7 @@
-"""GQA backward TFLOP/s at head_dim 128 over group sizes and seqlens, beside dense MHA of the same shape, for A/Bs
+"""GQA backward TFLOP/s (head_dim 128 unless given) over group sizes and seqlens, beside dense MHA of the same shape, for A/Bs
 of the launcher's GQA choices by environment (FAH_BWD_GQA_GROUP_CTA, FAH_BWD_SECTION_MIB; set by the caller).
 bf16, batch * seqlen = 16384 tokens, 16 query heads; medians of triton.testing.do_bench.
-usage: gqa_bwd_points.py [SEQLENS] [NHEADS_K]     e.g. 2048,4096,8192 16,8,4,2"""
+usage: gqa_bwd_points.py [SEQLENS] [NHEADS_K] [HEAD_DIM]     e.g. 2048,4096,8192 16,8,4,2 128"""
 import sys
 
 import torch
@@ -11,7 +11,7 @@ import flash_attn_hopper as fah
 
 seqlens = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2048,4096,8192").split(",")]
 kv_heads = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "16,8,4,2").split(",")]
-hd, h = 128, 16
+hd, h = (int(sys.argv[3]) if len(sys.argv) > 3 else 128), 16
 torch.manual_seed(0)
 for causal in (False, True):
     for s in seqlens:
@@ -24,4 +24,4 @@ for causal in (False, True):
             ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
                                          warmup=25, rep=100, return_mode="median")
             flops = 2.5 * 4 * b * h * s * s * hd / (2 if causal else 1)
-            print(f"| {'yes' if causal else 'no'} | {s} | {h}/{hk} | bwd {flops / ms / 1e9:.1f} |", flush=True)
+            print(f"| {hd} | {'yes' if causal else 'no'} | {s} | {h}/{hk} | bwd {flops / ms / 1e9:.1f} |", flush=True)
