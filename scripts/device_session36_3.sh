@@ -11,7 +11,7 @@ for r in 1 2; do
   for e in "${order[@]}"; do
     for hd in ${HDS:-128 64 256}; do
       echo "== round $r: $e hd $hd"
-      env $e timeout 60 python3 scripts/gqa_bwd_points.py ${GQA_SEQ:-2048,4096,8192} ${GQA_HK:-4,2,1} $hd 2>&1 | tee -a $OUT/gqa3_$(echo $e | tr "=" "_").txt
+      env $e timeout 60 python3 scripts/gqa_bwd_points.py ${GQA_SEQ:-2048,4096,8192} ${GQA_HK:-2,1} $hd 2>&1 | tee -a $OUT/gqa3_$(echo $e | tr "=" "_").txt
     done
   done
 done
