@@ -1,7 +1,8 @@
 """GQA backward TFLOP/s (head_dim 128 unless given) over group sizes and seqlens, beside dense MHA of the same shape, for A/Bs
-of the launcher's GQA choices by environment (FAH_BWD_GQA_GROUP_CTA, FAH_BWD_SECTION_MIB; set by the caller).
+of the launcher's GQA choices by environment (FAH_BWD_GQA_GROUP_CTA, FAH_BWD_SECTION_MIB; set by the caller). GQA_CAUSAL=yes or no: one mask only.
 bf16, batch * seqlen = 16384 tokens, 16 query heads; medians of triton.testing.do_bench.
 usage: gqa_bwd_points.py [SEQLENS] [NHEADS_K] [HEAD_DIM]     e.g. 2048,4096,8192 16,8,4,2 128"""
+import os
 import sys
 
 import torch
@@ -13,7 +14,7 @@ seqlens = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2048,4096,819
 kv_heads = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "16,8,4,2").split(",")]
 hd, h = (int(sys.argv[3]) if len(sys.argv) > 3 else 128), 16
 torch.manual_seed(0)
-for causal in (False, True):
+for causal in {"no": (False,), "yes": (True,)}.get(os.environ.get("GQA_CAUSAL", ""), (False, True)):
     for s in seqlens:
         b = max(1, 16384 // s)
         for hk in kv_heads:
