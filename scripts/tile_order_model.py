@@ -74,7 +74,32 @@ def bwd_main(sms=132, x=2.0):
                   + f"; the launcher's {s}: {ideal / makespan(chosen, sms):.3f}")
 
 
+def bwd_gqa_main(sms=132, x=2.0):
+    """--bwd-gqa (session 36): the backward's GQA group CTAs (heads_per_cta = 16 / K/V heads; each costs the group's
+    query blocks), 16 query heads, 16k tokens, causal, in the launcher's L2 sections (bytes per pair: the group's Q, dO
+    and dQ rows) against one section for all pairs (key block n of every pair first)."""
+    for head_dim, block_m, block_n in ((64, 128, 128), (128, 64, 128), (256, 64, 64)):
+        for seqlen in (1024, 2048, 4096, 8192, 16384):
+            for kv_heads in (8, 4, 2):
+                group, num_n_blocks = 16 // kv_heads, seqlen // block_n
+                pairs = kv_heads * max(1, 16384 // seqlen)
+                cost = lambda m: group * (m + 1) * block_n / block_m + x  # m = num_n_blocks - 1 - n
+                def ordered(s):
+                    return [cost(m) for s0 in range(0, pairs, s) for m in reversed(range(num_n_blocks))
+                            for _ in range(s0, min(pairs, s0 + s))]
+                s = section_heads(pairs, seqlen * group * head_dim * 8 / 2**20)
+                ideal = sum(ordered(pairs)) / sms
+                sectioned, one = ideal / makespan(ordered(s), sms), ideal / makespan(ordered(pairs), sms)
+                print(f"backward GQA head_dim {head_dim} causal {seqlen} 16/{kv_heads}: sections of {s} "
+                      f"{sectioned:.3f}, one section {one:.3f}")
+
+
 if __name__ == "__main__":
     import sys
 
-    bwd_main() if "--bwd" in sys.argv[1:] else main()
+    if "--bwd-gqa" in sys.argv[1:]:
+        bwd_gqa_main()
+    elif "--bwd" in sys.argv[1:]:
+        bwd_main()
+    else:
+        main()

@@ -35,6 +35,23 @@ inline int bwd_section_mib() {
   return value;
 }
 
+// GQA group CTAs (heads_per_cta > 1) under a causal-like mask: one section for every pair, so that key block n of all
+// pairs starts before key block n + 1 of any (longest first over the whole grid). A group CTA runs heads_per_cta
+// times the query blocks of a per-head one, and in 24 MiB sections (often one pair, whose Q, dO and dQ rows are
+// heads_per_cta times larger) the next section's long CTAs wait behind this one's short ones and the last of them run
+// alone at the end (scripts/tile_order_model.py --bwd-gqa: 0.78-0.84 of the ideal makespan at 16 query heads on 4,
+// 1024-8192, against 0.97-0.99 in one section). At head_dim <= 128 the lost L2 reuse costs less than that. H200,
+// 2026-12-03 (session 36 call 4; bf16, 16 query heads, 16k tokens, causal; medians of 2 rounds against the
+// sections): 16 on 4 K/V heads, 2048-8192, head_dim 64 +11-15 %, head_dim 128 +6-7 %. Not at head_dim 256, whose
+// 64-key CTAs move twice the Q, dO and dQ bytes per FLOP: one section read 0.80-1.01 of the sections there. Sections
+// do not apply to deterministic mode or head_dim 64's softcap kernel (Params::section_pairs): grid order there.
+// FAH_BWD_GQA_GLOBAL_ORDER=0 keeps the sections (for measurements and the tests of both orders).
+inline bool bwd_gqa_global_order(int kernel_head_dim, int heads_per_cta) {
+  if (heads_per_cta <= 1 || kernel_head_dim > 128) { return false; }
+  char const* v = std::getenv("FAH_BWD_GQA_GLOBAL_ORDER");
+  return v == nullptr || v[0] != '0';
+}
+
 template <class Element, int kHeadDim>
 cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim>;
@@ -181,10 +198,14 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   // an int. Bytes per pair: the Q and dO rows its CTAs all read and the fp32 dQ rows they all add into.
   if (p.dq_semaphore == nullptr && causal_like(window_left, window_right, p.seqlen_q, p.seqlen_k) &&
       int64_t(grid.x) * grid.y * grid.z <= INT32_MAX) {
-    kp.section_pairs = l2_section_pairs(
-        int64_t(grid.y) * grid.z,
-        double(p.seqlen_q) * p.heads_per_cta * ((p.head_dim + p.head_dim_v) * sizeof(Element) + kHeadDim * 4.0),
-        bwd_section_mib());
+    int64_t const pairs = int64_t(grid.y) * grid.z;
+    kp.section_pairs =
+        bwd_gqa_global_order(kHeadDim, p.heads_per_cta)
+            ? (pairs > 1 ? int(pairs) : 0)
+            : l2_section_pairs(pairs,
+                               double(p.seqlen_q) * p.heads_per_cta *
+                                   ((p.head_dim + p.head_dim_v) * sizeof(Element) + kHeadDim * 4.0),
+                               bwd_section_mib());
   }
   auto launch = [&](auto softcap_c, auto deterministic_c) {
     constexpr bool kSoftcap = decltype(softcap_c)::value, kDeterministic = decltype(deterministic_c)::value;
