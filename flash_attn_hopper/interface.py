@@ -31,11 +31,26 @@ def kernel_head_dim(head_dim, backward=False):
     return next((d for d in (BACKWARD_HEAD_DIMS if backward else SUPPORTED_HEAD_DIMS) if head_dim <= d), None)
 
 
+def _check_strided(name, t):
+    """Nested (jagged or strided) and sparse tensors are refused by name: the kernels read plain strided memory, and
+    such tensors otherwise fail deep inside torch with messages that name nothing."""
+    if t.is_nested:
+        raise TypeError(
+            f"{name} is a nested tensor; pass a plain (torch.strided) tensor, e.g. pack variable-length sequences for "
+            "attention_varlen with cu_seqlens"
+        )
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{name} has layout {t.layout}; only dense torch.strided tensors are supported (call .to_dense())"
+        )
+
+
 def _check_tensor_args(q, k, v):
     """Shape/dtype/stride checks that need no GPU. Raises TypeError or ValueError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check_strided(name, t)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are torch.float16 and torch.bfloat16")
@@ -338,6 +353,9 @@ def _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, determ
     still raise TypeError)."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None
+    if any(isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided)
+           for t in (q, k, v, document_ids)):
+        return None  # refused by the checks, by name (no shapes or strides to key on)
     if (type(causal) is not bool or type(deterministic) is not bool or type(softcap) is not float
             or not (softmax_scale is None or type(softmax_scale) is float)
             or type(window_size) is not tuple or len(window_size) != 2
@@ -358,6 +376,7 @@ def _check_document_ids(document_ids, q, k):
     """Type, dtype, device and shape of document_ids (no device read)."""
     if not isinstance(document_ids, torch.Tensor):
         raise TypeError(f"document_ids must be a torch.Tensor or None, got {type(document_ids).__name__}")
+    _check_strided("document_ids", document_ids)
     if document_ids.dtype not in _DOCUMENT_ID_DTYPES:
         raise TypeError(f"document_ids must have an integer dtype (int8/16/32/64, uint8), got {document_ids.dtype}")
     if document_ids.device != q.device:
@@ -449,6 +468,7 @@ def _check_cu_seqlens_meta(name, cu, q):
     """Type, dtype, device and rank of one cu_seqlens tensor (no device read)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    _check_strided(name, cu)
     if cu.dtype != torch.int32:
         raise ValueError(f"{name} must have dtype torch.int32, got {cu.dtype}")
     if cu.device != q.device:
@@ -543,6 +563,8 @@ def attention_varlen(
     """
     return_lse = _check_bool("return_lse", return_lse)
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor):
+            _check_strided(name, t)
         if isinstance(t, torch.Tensor) and t.dim() != 3:
             raise ValueError(
                 f"{name} must have rank 3 (total_tokens, nheads, head_dim) for attention_varlen, got rank {t.dim()} "
