@@ -3,7 +3,10 @@
 #   PART=a: clean build on the device (every head dim and dtype; the CUTLASS wheel carried in .whl), SASS / HGMMA
 #           check, the GPU test files of group A (every file not in group B); the .so and its build log go to
 #           $OUT/verify_so.tar.xz so that part b can run on a fresh machine too (carry it as .prebuilt/pack).
-#   PART=b: the same .so (left in the tree, or unpacked from .prebuilt/pack/verify_so.tar.xz), group B's test files
+#   PART=a PREBUILT=NAME: no device build; .prebuilt/pack/name.tar.xz's build (made on the CPU machine with the
+#           device's torch) runs group A's files, then the forward A/B of F against it (AB=1, the default).
+#   PART=b: the same .so (left in the tree, or unpacked from .prebuilt/pack/verify_so.tar.xz or PREBUILT's pack),
+#           group B's test files
 #           and the benchmark grid with the feature points; then extras (EXTRA=1): the backward's pre/postprocess
 #           share and the forward's fp16 and bf16 dense points from 4096 (issue 6: fp16 within 3 %).
 set -u
@@ -11,7 +14,28 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 B="tests/test_bwd_gpu.py tests/test_features_gpu.py tests/test_head_dim_v_gpu.py tests/test_varlen_gpu.py
    tests/test_deterministic_gpu.py tests/test_sections_gpu.py tests/test_bwd_gqa_group_gpu.py"
 ign() { for f in $*; do printf -- "--ignore=%s " "$f"; done; }
-if [[ ${PART:?PART=a or b} == a ]]; then
+unpack() {  # .prebuilt/pack/$1.tar.xz holding .prebuilt/NAME/{_C.abi3.so,build.log}: into the tree
+  python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.prebuilt')" .prebuilt/pack/$1.tar.xz || exit 1
+}
+if [[ ${PART:?PART=a or b} == a && -n ${PREBUILT:-} ]]; then
+  # PREBUILT=NAME: the build made on the CPU machine with the device's torch, no device build; then, with AB=1, the
+  # forward A/B of F against it (dense, every head dim, both masks, 1024/4096/16384, 2 rounds).
+  unpack $(echo $PREBUILT | tr A-Z a-z); unpack f
+  rm -f flash_attn_hopper/_C*.so; cp .prebuilt/$PREBUILT/_C.abi3.so flash_attn_hopper/_C.abi3.so
+  FINAL=$OUT; export OUT=/tmp/gca; mkdir -p $OUT
+  FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/$PREBUILT/build.log PYTEST_ARGS="--timeout 150 --timeout-method thread $(ign $B)" \
+    FAH_SKIP_BENCH=1 timeout ${CHECK_TIMEOUT:-330} bash scripts/gpu_check.sh > /tmp/gpu_check_a.out 2>&1
+  echo "gpu_check rc $?"
+  grep -E "^(tests|sass|bench|build|cutlass) |passed|failed|FAILED|HGMMA check" /tmp/gpu_check_a.out | tail -n 20
+  for f in summary.txt pytest.log kernels.txt; do cp -f $OUT/$f $FINAL/ 2>/dev/null; done
+  export OUT=$FINAL
+  if [[ ${AB:-1} == 1 ]]; then
+    CASES="F;$PREBUILT" DIRECTION=fwd ROUNDS=2 TAG=fwd BACKENDS=ours \
+      BENCH="--head-dims 64,128,256 --causal both --features dense --seqlens 1024,4096,16384 --no-check --no-adjacent" \
+      timeout ${AB_TIMEOUT:-160} bash scripts/device_env_ab.sh
+    cp -f .prebuilt/$PREBUILT/_C.abi3.so flash_attn_hopper/_C.abi3.so  # part b runs this build
+  fi
+elif [[ $PART == a ]]; then
   PYTEST_EXTRA="$(ign $B)" FAH_SKIP_BENCH=1 CHECK_TIMEOUT=${CHECK_TIMEOUT:-500} bash scripts/device_run4.sh
   python3 - <<'PY'
 import os, tarfile
@@ -21,12 +45,13 @@ with tarfile.open(os.environ["OUT"] + "/verify_so.tar.xz", "w:xz", preset=1) as 
 PY
   ls -la $OUT
 else
-  if [[ ! -f flash_attn_hopper/_C.abi3.so ]]; then
-    python3 -c "import tarfile; tarfile.open('.prebuilt/pack/verify_so.tar.xz').extractall('.prebuilt')" || exit 1
-    cp .prebuilt/VERIFY/_C.abi3.so flash_attn_hopper/_C.abi3.so; mkdir -p .fah_build/gpu_check
-    cp .prebuilt/VERIFY/build.log .fah_build/gpu_check/build.log
+  if [[ ! -f flash_attn_hopper/_C.abi3.so ]]; then  # a fresh machine: the carried build (PREBUILT, else part a's)
+    name=${PREBUILT:-VERIFY}; unpack $([[ -n ${PREBUILT:-} ]] && echo $PREBUILT | tr A-Z a-z || echo verify_so)
+    cp .prebuilt/$name/_C.abi3.so flash_attn_hopper/_C.abi3.so; mkdir -p .fah_build/gpu_check
+    cp .prebuilt/$name/build.log .fah_build/gpu_check/build.log
     echo "unpacked the carried .so"
   fi
+  if [[ -n ${PREBUILT:-} ]]; then export FAH_BUILD_LOG=$PWD/.prebuilt/$PREBUILT/build.log; fi
   FINAL=$OUT; export OUT=/tmp/gcb; mkdir -p $OUT
   others=$(ls tests/test_*.py | grep -v -F "$(echo $B | tr ' ' '\n')")
   FAH_PREBUILT=1 PYTEST_ARGS="--timeout 150 --timeout-method thread $(ign $others)" \
