@@ -72,7 +72,14 @@ def _tile_height(head_dim, batch, nheads, seqlen_q, seqlen_k, opts):
 # https://github.com/pytorch/pytorch/issues/121558 (q = k = v = 133120.0 in bf16, shape (1, 1, 1, 64): NaN from the
 # flash backend, right from the math and efficient ones) and https://github.com/deepseek-ai/FlashMLA/pull/68 (the same
 # inputs gave all-zero outputs; the cause is the FFMA of the scaled score with the rounded scaled maximum)
-@pytest.mark.parametrize("seqlen", [1, 5])
+# Known bug, open (benchmarks/NOTES.md, session 36): the kernels' exp2(fma(...)) against a rounded maximum. Strict:
+# the mark turns red once the kernels are fixed. Which cases fail was predicted from softmax.hpp's arithmetic.
+_EXP2_FMA_BUG = pytest.mark.xfail(
+    strict=True, reason="known bug: P = exp2(fma(s, scale_log2, -round(m * scale_log2))) leaves the product's rounding "
+    "error at the row maximum once the scaled logits pass ~2^24 (csrc/flash/common/softmax.hpp; NOTES session 36)")
+
+
+@pytest.mark.parametrize("seqlen", [pytest.param(1, marks=_EXP2_FMA_BUG), pytest.param(5, marks=_EXP2_FMA_BUG)])
 def test_constant_inputs_of_magnitude_133120(seqlen):
     """PyTorch issue 121558 and FlashMLA PR 68: with every score S = 133120² · 64 = 1.134e12 and the default scale 1/8,
     the scaled score in the exp2 domain is m·α·log2(e) = 2.05e11 ≈ 2^37.6, whose float32 rounding is off by up to
@@ -110,14 +117,19 @@ def _one_hot_inputs(dtype, seqlen_q, seqlen_k, nheads, head_dim):
 
 
 HUGE_SCALES = [2.0**17, 2.0**20, 2.0**23, 2.0**26]
+# (dtype, scale) pairs predicted to fail (the bug above): fp16's P cannot hold 2^r from 2^23 on; NaN at 2^26.
+_HUGE_SCALE_CASES = [
+    pytest.param(dtype, scale, id=f"{dtype_id}-2^{int(math.log2(scale))}",
+                 marks=[_EXP2_FMA_BUG] if scale >= 2.0**23 and (dtype == torch.float16 or scale >= 2.0**26) else [])
+    for dtype, dtype_id in zip(DTYPES, DTYPE_IDS) for scale in HUGE_SCALES
+]
 
 
 # https://github.com/pytorch/pytorch/issues/121558, https://github.com/deepseek-ai/FlashMLA/pull/68 and
 # https://github.com/gabrieldemarmiesse/torch-mojo-backend/pull/398 (FA4's P = exp2(fma(s, scale_log2, -rowmax)) with
 # a rounded rowmax: the winning element's exponent is off 0 by up to half an ulp of the scaled logit, so on a saturated
 # row the output is v · bf16(p) / p, and once that error passes the range of P, inf or 0)
-@pytest.mark.parametrize("softmax_scale", HUGE_SCALES, ids=["2^17", "2^20", "2^23", "2^26"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype,softmax_scale", _HUGE_SCALE_CASES)
 def test_one_hot_rows_at_huge_softmax_scales(dtype, softmax_scale):
     """PyTorch issue 121558, FlashMLA PR 68 and torch-mojo-backend PR 398, with random rows instead of constants: a
     softmax_scale (inverse temperature) of 2^17 to 2^26 that interface._check_scale accepts, on scores of up to ~±50

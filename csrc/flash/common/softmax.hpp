@@ -25,14 +25,6 @@ constexpr float kSoftcapFixedMaxLimit = 30.f;
 // most key blocks skip the O rescale.
 constexpr float kRescaleThresholdLog2 = 8.f;
 
-// One FFMA per element, exp2(fma(s, scale_log2, -m_scaled)), subtracts the rounded product m_scaled of a row's maximum
-// from that maximum's exact product: P there is 2^r instead of 1, r up to half an ulp of |m_scaled|. Cancelled by the
-// normalisation while r is small; from |m_scaled| = 2^22 (r up to 0.25) rows take the exact path instead: each product
-// rounded first, as a float32 reference does, so the maximum's exponent is exactly 0. Without it, scaled logits past
-// ~2^31 gave P = inf or 0 and NaN rows (bf16 q = k = v = 133120, PyTorch issue 121558; tests/test_bug_reports_fifth_gpu
-// .py).
-constexpr float kExactExpLimitLog2Domain = 4194304.f;  // 2^22
-
 inline ScoreScales score_scales(float softmax_scale, float softcap) {
   float const scale = softcap > 0.f ? softcap : softmax_scale;
   return {scale, float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
@@ -119,14 +111,12 @@ struct OnlineSoftmax {
     bool moved = false;
     float block_max[kRows];
     row_maxima(s, block_max);
-    float m_scaled_of[kRows];
-    bool exact = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float m = quad_max(fmaxf(row_max[r], block_max[r]));
       // A row with no visible key so far keeps max -inf; subtracting 0 then maps every -inf score to P = 0
       // instead of NaN.
-      float& m_scaled = m_scaled_of[r];
+      float m_scaled;
       if constexpr (kLazy) {
         // A row's first finite maximum always moves it (m - -inf = inf; O and the sum are still zero then). A row
         // that still sees no key (-inf - -inf = NaN) and a NaN maximum compare false: no move, so such a row does
@@ -134,41 +124,19 @@ struct OnlineSoftmax {
         bool const move = (m - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
         rescale[r] = 1.f;
         if (move) {
-          // Between the rounded products of the old and the new maximum, which this and the earlier blocks' P are
-          // taken against (exactly so on kExactExpLimitLog2Domain's path).
-          rescale[r] =
-              row_max[r] == -INFINITY ? 1.f : exp2f(__fmul_rn(row_max[r], scale_log2) - __fmul_rn(m, scale_log2));
+          rescale[r] = row_max[r] == -INFINITY ? 1.f : exp2f((row_max[r] - m) * scale_log2);
           row_max[r] = m;
           moved = true;
         }
-        m_scaled = row_max[r] == -INFINITY ? 0.f : __fmul_rn(row_max[r], scale_log2);
+        m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
       } else {
-        m_scaled = m == -INFINITY ? 0.f : __fmul_rn(m, scale_log2);
-        rescale[r] = m == -INFINITY ? 1.f : exp2f(__fmul_rn(row_max[r], scale_log2) - m_scaled);  // (as above)
+        m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+        rescale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
         row_max[r] = m;
       }
-      exact = exact || fabsf(m_scaled) >= kExactExpLimitLog2Domain;
-    }
-    // The exact path (kExactExpLimitLog2Domain; rare, one warp-uniform test per step): such rows round each product
-    // first, then subtract exactly. A copy of the loop of its own, so that the common one is the plain FFMA loop.
-    if (__any_sync(0xffffffffu, exact)) {
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        bool const big = fabsf(m_scaled_of[r]) >= kExactExpLimitLog2Domain;
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) {
-          s(r, j) = big ? exp2f(__fmul_rn(s(r, j), scale_log2) - m_scaled_of[r])
-                        : exp2f(fmaf(s(r, j), scale_log2, -m_scaled_of[r]));
-        }
-        row_sum[r] = row_sum[r] * rescale[r] + row_total(s, r);
-      }
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) { s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -m_scaled_of[r])); }
-        row_sum[r] = row_sum[r] * rescale[r] + row_total(s, r);
-      }
+      for (int j = 0; j < size<1>(s); ++j) { s(r, j) = exp2f(fmaf(s(r, j), scale_log2, -m_scaled)); }
+      row_sum[r] = row_sum[r] * rescale[r] + row_total(s, r);
     }
     if constexpr (kLazy) {
       return __any_sync(0xffffffffu, moved);
