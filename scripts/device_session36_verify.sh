@@ -4,7 +4,8 @@
 #           check, the GPU test files of group A (every file not in group B); the .so and its build log go to
 #           $OUT/verify_so.tar.xz so that part b can run on a fresh machine too (carry it as .prebuilt/pack).
 #   PART=a PREBUILT=NAME: no device build; .prebuilt/pack/name.tar.xz's build (made on the CPU machine with the
-#           device's torch) runs group A's files, then the forward A/B of F against it (AB=1, the default).
+#           device's torch) runs group A's files, then the forward A/B of F against it (AB=1, the default) and
+#           the extras below (EXTRA=1).
 #   PART=b: the same .so (left in the tree, or unpacked from .prebuilt/pack/verify_so.tar.xz or PREBUILT's pack),
 #           group B's test files
 #           and the benchmark grid with the feature points; then extras (EXTRA=1): the backward's pre/postprocess
@@ -16,6 +17,14 @@ B="tests/test_bwd_gpu.py tests/test_features_gpu.py tests/test_head_dim_v_gpu.py
 ign() { for f in $*; do printf -- "--ignore=%s " "$f"; done; }
 unpack() {  # .prebuilt/pack/$1.tar.xz holding .prebuilt/NAME/{_C.abi3.so,build.log}: into the tree
   python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.prebuilt')" .prebuilt/pack/$1.tar.xz || exit 1
+}
+extras() {  # the backward's pre/postprocess share; the forward's fp16 and bf16 dense points from 4096
+  timeout 90 python3 scripts/bwd_breakdown.py 64,128,256 4096,16384 > $OUT/bwd_breakdown.txt 2>&1; echo "breakdown rc $?"; tail -n 15 $OUT/bwd_breakdown.txt
+  timeout ${FP16_TIMEOUT:-100} python3 -m flash_attn_hopper.benchmark --dtype fp16 --features dense --seqlens 4096,16384 \
+    --backends ours --direction fwd --no-bar --json $OUT/fp16.json > $OUT/fp16.log 2>&1
+  timeout ${FP16_TIMEOUT:-100} python3 -m flash_attn_hopper.benchmark --dtype bf16 --features dense --seqlens 4096,16384 \
+    --backends ours --direction fwd --no-bar --json $OUT/bf16.json > $OUT/bf16.log 2>&1
+  echo "fp16/bf16 rc $?"
 }
 if [[ ${PART:?PART=a or b} == a && -n ${PREBUILT:-} ]]; then
   # PREBUILT=NAME: the build made on the CPU machine with the device's torch, no device build; then, with AB=1, the
@@ -35,6 +44,7 @@ if [[ ${PART:?PART=a or b} == a && -n ${PREBUILT:-} ]]; then
       timeout ${AB_TIMEOUT:-160} bash scripts/device_env_ab.sh
     cp -f .prebuilt/$PREBUILT/_C.abi3.so flash_attn_hopper/_C.abi3.so  # part b runs this build
   fi
+  if [[ ${EXTRA:-0} == 1 ]]; then extras; fi
 elif [[ $PART == a ]]; then
   PYTEST_EXTRA="$(ign $B)" FAH_SKIP_BENCH=1 CHECK_TIMEOUT=${CHECK_TIMEOUT:-500} bash scripts/device_run4.sh
   python3 - <<'PY'
@@ -61,13 +71,6 @@ else
   for f in summary.txt pytest.log bench_attention.json bench_extra.tar.gz; do cp -f $OUT/$f $FINAL/ 2>/dev/null; done
   [ -f $OUT/bench.log ] && cp -f $OUT/bench.log $FINAL/
   export OUT=$FINAL
-  if [[ ${EXTRA:-1} == 1 ]]; then
-    timeout 90 python3 scripts/bwd_breakdown.py 64,128,256 4096,16384 > $OUT/bwd_breakdown.txt 2>&1; echo "breakdown rc $?"; tail -n 15 $OUT/bwd_breakdown.txt
-    timeout ${FP16_TIMEOUT:-100} python3 -m flash_attn_hopper.benchmark --dtype fp16 --features dense --seqlens 4096,16384 \
-      --backends ours --direction fwd --no-bar --json $OUT/fp16.json > $OUT/fp16.log 2>&1
-    timeout ${FP16_TIMEOUT:-100} python3 -m flash_attn_hopper.benchmark --dtype bf16 --features dense --seqlens 4096,16384 \
-      --backends ours --direction fwd --no-bar --json $OUT/bf16.json > $OUT/bf16.log 2>&1
-    echo "fp16/bf16 rc $?"
-  fi
+  if [[ ${EXTRA:-0} == 1 ]]; then extras; fi
   nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv > $OUT/smi.txt
 fi
