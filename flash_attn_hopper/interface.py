@@ -278,7 +278,8 @@ def attention(
     Raises:
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16 (or one this build does not
             include), or the dtypes differ; softmax_scale or softcap is not a real number; causal, return_lse or
-            deterministic is not a bool; window_size is not a pair of ints; document_ids is not an integer tensor.
+            deterministic is not a bool; window_size is not a pair of ints; document_ids is not an integer tensor;
+            q, k, v or document_ids is a nested tensor or not torch.strided (sparse).
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is
@@ -548,7 +549,7 @@ def attention_varlen(
         ``cu_seqlens_k[-1]``) are 0. ``out`` and ``lse`` are differentiable with respect to q, k, v.
 
     Raises:
-        TypeError: as ``attention``; cu_seqlens not tensors; max_seqlen not Python ints.
+        TypeError: as ``attention``; cu_seqlens not tensors (or nested, or sparse); max_seqlen not Python ints.
         ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D,
             not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
             below the longest sequence, negative, or 2^31 or more; more than 65535 sequences.
