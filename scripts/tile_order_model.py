@@ -15,12 +15,17 @@ def makespan(costs, sms):
     return max(free)
 
 
+def in_sections(cost, num_blocks, pairs, s):
+    """Costs in launch order: sections of s pairs, each taking block m (num_blocks - 1 first) across its pairs."""
+    return [cost(m) for s0 in range(0, pairs, s) for m in reversed(range(num_blocks))
+            for _ in range(s0, min(pairs, s0 + s))]
+
+
 def orders(num_m_blocks, blocks_of, head_batches, x):
     cost = lambda m: blocks_of(m) + x
     yield "head-major", [cost(m) for _ in range(head_batches) for m in reversed(range(num_m_blocks))]
     for s in (8, 16, 32, 64):
-        yield f"sections of {s}", [cost(m) for s0 in range(0, head_batches, s) for m in reversed(range(num_m_blocks))
-                                   for _ in range(s0, min(head_batches, s0 + s))]
+        yield f"sections of {s}", in_sections(cost, num_m_blocks, head_batches, s)
     yield "global longest first", sorted((cost(m) for _ in range(head_batches) for m in range(num_m_blocks)),
                                          reverse=True)
 
@@ -67,8 +72,7 @@ def bwd_main(sms=132, x=2.0):
             runs = list(orders(num_n_blocks, blocks_of, pairs, x))
             ideal = sum(runs[0][1]) / sms
             s = section_heads(pairs, seqlen * head_dim * 8 / 2**20)
-            chosen = [blocks_of(m) + x for s0 in range(0, pairs, s) for m in reversed(range(num_n_blocks))
-                      for _ in range(s0, min(pairs, s0 + s))]
+            chosen = in_sections(lambda m: blocks_of(m) + x, num_n_blocks, pairs, s)
             line = ", ".join(f"{k} {ideal / makespan(c, sms):.3f}" for k, c in runs)
             print(f"backward head_dim {head_dim} causal {seqlen}: " + line.replace("head-major", "grid order")
                   + f"; the launcher's {s}: {ideal / makespan(chosen, sms):.3f}")
@@ -84,9 +88,7 @@ def bwd_gqa_main(sms=132, x=2.0):
                 group, num_n_blocks = 16 // kv_heads, seqlen // block_n
                 pairs = kv_heads * max(1, 16384 // seqlen)
                 cost = lambda m: group * (m + 1) * block_n / block_m + x  # m = num_n_blocks - 1 - n
-                def ordered(s):
-                    return [cost(m) for s0 in range(0, pairs, s) for m in reversed(range(num_n_blocks))
-                            for _ in range(s0, min(pairs, s0 + s))]
+                ordered = lambda s: in_sections(cost, num_n_blocks, pairs, s)
                 s = section_heads(pairs, seqlen * group * head_dim * 8 / 2**20)
                 ideal = sum(ordered(pairs)) / sms
                 sectioned, one = ideal / makespan(ordered(s), sms), ideal / makespan(ordered(pairs), sms)
