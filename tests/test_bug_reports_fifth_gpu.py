@@ -72,14 +72,9 @@ def _tile_height(head_dim, batch, nheads, seqlen_q, seqlen_k, opts):
 # https://github.com/pytorch/pytorch/issues/121558 (q = k = v = 133120.0 in bf16, shape (1, 1, 1, 64): NaN from the
 # flash backend, right from the math and efficient ones) and https://github.com/deepseek-ai/FlashMLA/pull/68 (the same
 # inputs gave all-zero outputs; the cause is the FFMA of the scaled score with the rounded scaled maximum)
-# Known bug, open (benchmarks/NOTES.md, session 36): the kernels' exp2(fma(...)) against a rounded maximum. Strict:
-# the mark turns red once the kernels are fixed. Which cases fail was predicted from softmax.hpp's arithmetic.
-_EXP2_FMA_BUG = pytest.mark.xfail(
-    strict=True, reason="known bug: P = exp2(fma(s, scale_log2, -round(m * scale_log2))) leaves the product's rounding "
-    "error at the row maximum once the scaled logits pass ~2^24 (csrc/flash/common/softmax.hpp; NOTES session 36)")
-
-
-@pytest.mark.parametrize("seqlen", [pytest.param(1, marks=_EXP2_FMA_BUG), pytest.param(5, marks=_EXP2_FMA_BUG)])
+# Fixed in session 38 (csrc/flash/common/softmax.hpp, kExactRowsLimitLog2, and flash/fwd/exact_rows_sm90.hpp); strict
+# xfails in sessions 36-37, their failures predicted from the arithmetic and seen on the H200.
+@pytest.mark.parametrize("seqlen", [1, 5])
 def test_constant_inputs_of_magnitude_133120(seqlen):
     """PyTorch issue 121558 and FlashMLA PR 68: with every score S = 133120² · 64 = 1.134e12 and the default scale 1/8,
     the scaled score in the exp2 domain is m·α·log2(e) = 2.05e11 ≈ 2^37.6, whose float32 rounding is off by up to
@@ -117,10 +112,9 @@ def _one_hot_inputs(dtype, seqlen_q, seqlen_k, nheads, head_dim):
 
 
 HUGE_SCALES = [2.0**17, 2.0**20, 2.0**23, 2.0**26]
-# (dtype, scale) pairs predicted to fail (the bug above): fp16's P cannot hold 2^r from 2^23 on; NaN at 2^26.
+# Before session 38 fp16 failed from 2^23 on (its P could not hold 2^r) and both dtypes at 2^26 (NaN).
 _HUGE_SCALE_CASES = [
-    pytest.param(dtype, scale, id=f"{dtype_id}-2^{int(math.log2(scale))}",
-                 marks=[_EXP2_FMA_BUG] if scale >= 2.0**23 and (dtype == torch.float16 or scale >= 2.0**26) else [])
+    pytest.param(dtype, scale, id=f"{dtype_id}-2^{int(math.log2(scale))}")
     for dtype, dtype_id in zip(DTYPES, DTYPE_IDS) for scale in HUGE_SCALES
 ]
 
@@ -160,6 +154,59 @@ def test_one_hot_rows_at_huge_softmax_scales(dtype, softmax_scale):
     out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
     _assert_within_one_ulp(out, exact, f"{name} out")
     assert_close_by_rule(lse, ref_lse, ref_lse, f"{name} lse")  # the exact LSE as its own yardstick: the floor only
+
+
+# The same reports, as a kind of fault rather than one input: every head_dim (the non-lazy kernels at 64/96 also took
+# the O rescale as an FFMA against the rounded maximum, so a factor 2^r compounded once per key block), several key
+# blocks, causal and not, and the varlen, window and GQA paths, which share the softmax and the exact pass.
+@pytest.mark.parametrize("api", ["dense", "varlen", "window", "gqa", "softcap", "documents"])
+@pytest.mark.parametrize("logit_log2", [15, 26, 33])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_equal_scores_at_huge_scaled_logits(dtype, head_dim, causal, logit_log2, api):
+    """Every key the same random row k0 and every query row ±q0, most of them scaled down by 2^-(logit_log2 - 4): each
+    row's scores are all equal, with a softmax_scale that puts the scaled logit (exp2 domain) of the full rows at
+    ±2^15, ±2^26 or ±2^33 (half an ulp of its float32 rounding: 2^-9, 2^2, 2^9) and of the scaled-down rows at ±2^4,
+    mixed within a warp's rows. The softmax is uniform over the keys a row sees whatever the scale, so out is the mean
+    of those values: the float32 reference at this scale, with the naive reference at the default scale (the same exact
+    answer) as the yardstick; LSE by the rule's floor. seqlen_k 700 spans several key blocks at every head_dim;
+    head_dim 40 runs on the 64-wide kernels, "gqa" puts both query heads on one K/V head, "softcap" adds a cap of
+    2^logit_log2 (the kernels' online-maximum softcap path), "documents" packs three documents into 300 positions (self-
+    attention). Before the fix: NaN, inf or 0
+    rows, and weights off by 2^r between key blocks (head_dim 64/96). 2^15 stays on the kernels' fast path (below
+    kExactRowsLimitLog2 = 2^16, csrc/flash/common/softmax.hpp); 2^26 and 2^33 go through the exact pass."""
+    require_built(head_dim, dtype)
+    seqlen_q, seqlen_k, nheads = (300, 300, 2) if api == "documents" else (77, 700, 2)
+    gen = torch.Generator(device="cpu").manual_seed(logit_log2 * 1000 + head_dim)
+    q0 = randn(1, 1, 1, head_dim, dtype=torch.float32)
+    k0 = randn(1, 1, 1, head_dim, dtype=torch.float32)
+    sign = torch.randint(0, 2, (1, seqlen_q, nheads, 1), generator=gen).float() * 2 - 1
+    small = torch.rand(1, seqlen_q, nheads, 1, generator=gen) < 0.6
+    row_scale = torch.where(small, 2.0 ** -(logit_log2 - 4), 1.0) * sign
+    q = (q0 * row_scale.to(DEVICE)).to(dtype)
+    k = k0.expand(1, seqlen_k, 1 if api == "gqa" else nheads, head_dim).to(dtype).contiguous()
+    v = randn(1, seqlen_k, k.shape[2], head_dim, dtype=dtype)
+    score = (q0.to(dtype).float() * k0.to(dtype).float()).sum().abs().item()
+    softmax_scale = 2.0**logit_log2 / (score * math.log2(math.e))
+    window = (100, 0) if api == "window" else (-1, -1)
+    opts = dict(causal=causal, window_size=window)
+    if api == "softcap":
+        opts["softcap"] = 2.0**logit_log2
+    if api == "documents":
+        opts["document_ids"] = torch.tensor([0] * 100 + [1] * 150 + [2] * 50, device=DEVICE).unsqueeze(0)
+    name = f"head_dim {head_dim} {api} causal {causal} logits ~2^{logit_log2}"
+    if api == "varlen":
+        cu = cu_seqlens([seqlen_q]), cu_seqlens([seqlen_k])
+        out, lse = attention_varlen(q[0], k[0], v[0], *cu, seqlen_q, seqlen_k, softmax_scale=softmax_scale,
+                                    return_lse=True, **opts)
+        out, lse = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True, **opts)
+    ref, ref_lse = attention_ref(q, k, v, softmax_scale=softmax_scale, upcast=True, **opts)
+    naive, _ = attention_ref(q, k, v, upcast=False, **opts)
+    assert_close_by_rule(out, ref, naive, f"{name} out")
+    assert_close_by_rule(lse, ref_lse, ref_lse, f"{name} lse")
 
 
 # The other end of the accepted range (interface._check_scale; the C++ check wants softmax_scale · log2(e) normal):

@@ -387,11 +387,10 @@ void launch_fwd(FwdFn run, at::Tensor const& q_in, at::Tensor const& k_in, at::T
   p.doc_bounds = docs.bounds;
   p.pingpong = fwd_pingpong();
   p.num_sms = num_sms(q);
-  at::Tensor tile_counter;
-  if (fwd_persistent()) {
-    tile_counter = zeroed({1}, q.options().dtype(at::kInt));
-    p.tile_counter = tile_counter.data_ptr<int>();
-  }
+  // One zeroed buffer: the persistent kernel's tile counter and the exact-rows flag (flash/params.hpp).
+  at::Tensor const counters = zeroed({2}, q.options().dtype(at::kInt));
+  if (fwd_persistent()) { p.tile_counter = counters.data_ptr<int>(); }
+  p.exact_rows_flag = counters.data_ptr<int>() + 1;
   cudaError_t err = run(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper forward launch failed: ", cudaGetErrorString(err));
 }

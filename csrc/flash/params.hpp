@@ -51,6 +51,9 @@ struct FwdParams {
   // per tile.
   int* tile_counter;
   int num_sms;  // the device's SMs (also the head_dim 64 tile choice)
+  // A zeroed int32: the kernel sets it when some row's scaled maximum is too large for its exponent's FFMA, and the
+  // launch's exact-rows pass then recomputes the rows whose LSE shows it (flash/fwd/exact_rows_sm90.hpp).
+  int* exact_rows_flag;
 };
 
 struct BwdParams {

@@ -24,6 +24,13 @@ constexpr float kSoftcapFixedMaxLimit = 30.f;
 // so unnormalised P stays <= 256 (bf16 and fp16 hold it; O's float32 accumulator grows by at most that factor) and
 // most key blocks skip the O rescale.
 constexpr float kRescaleThresholdLog2 = 8.f;
+// P = exp2(fma(s, scale_log2, -M)) with M = round(m * scale_log2) is exp2(s * scale_log2 - M), the exact product: P at
+// a row's maximum is 2^r, r = m * scale_log2 - M up to half an ulp of |M|. Every P of a row shares that factor (the O
+// rescale is taken between maxima, exact when the maximum stays), so the normalisation cancels it while it is small.
+// Rows whose |M| reaches this limit (below it |r| < 2^-8) are flagged at the tile's end and recomputed exactly after
+// the kernel (flash/fwd/exact_rows_sm90.hpp): past ~2^31 P overflowed or vanished (NaN or zero rows; bf16 q = k = v =
+// 133120, PyTorch issue 121558) and fp16's P could not hold 2^r from ~2^27.
+constexpr float kExactRowsLimitLog2 = 65536.f;  // 2^16
 
 inline ScoreScales score_scales(float softmax_scale, float softcap) {
   float const scale = softcap > 0.f ? softcap : softmax_scale;
@@ -131,7 +138,9 @@ struct OnlineSoftmax {
         m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
       } else {
         m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-        rescale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
+        // From the difference of the maxima: exactly 1 while the maximum stays. (An FFMA of the old maximum against
+        // the new rounded one multiplied O by 2^r at every key block: an error growing with the number of blocks.)
+        rescale[r] = m == -INFINITY ? 1.f : exp2f((row_max[r] - m) * scale_log2);
         row_max[r] = m;
       }
       CUTLASS_PRAGMA_UNROLL
@@ -143,6 +152,19 @@ struct OnlineSoftmax {
     } else {
       return true;
     }
+  }
+
+  // Whether a row of this thread has a finite scaled maximum of magnitude kExactRowsLimitLog2 or more (its P carry
+  // a rounding factor 2^r that may not cancel). Rows with no key (-inf) or a non-finite maximum (inf or NaN scores,
+  // which propagate as in the reference) are not.
+  CUTLASS_DEVICE bool needs_exact_rows() const {
+    bool any = false;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float const m = fabsf(row_max[r] * scale_log2);
+      any |= m >= kExactRowsLimitLog2 && m < INFINITY;
+    }
+    return any;
   }
 
   // Softcap with a fixed maximum: the scores the softmax sees, c * x with x = tanh(..) in [-1, 1], never exceed the

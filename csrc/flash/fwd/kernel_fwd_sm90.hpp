@@ -222,6 +222,8 @@ struct FwdKernelTraits {
     // > 0: tiles in sections of this many (head, batch) pairs, query blocks longest first across a section
     // (causal-like launches, no left limit: a shorter tail, with a section's K/V sized for L2); 0: head-major.
     int section_heads;
+    // Zeroed int32 set to 1 by a tile with rows for fwd_exact_rows (softmax.hpp, kExactRowsLimitLog2).
+    int* exact_rows_flag;
   };
 
   // Tile t: the heads' query blocks in order, the last query block first (with a causal mask it sees the most keys);
@@ -644,6 +646,12 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
       issue_next();
       warpgroup_wait<1>();  // the QKᵀ issued for this tile (never read: no key block); the next one runs on
     }
+  }
+
+  // Rows too large for the one-FFMA exponent are redone after the kernel (kExactRowsLimitLog2; the fixed maximum
+  // bounds them by the softcap).
+  if constexpr (!kFixedMax) {
+    if (__any_sync(0xffffffffu, softmax.needs_exact_rows()) && mma_tidx % 32 == 0) { *params.exact_rows_flag = 1; }
   }
 
   // Epilogue: O / l and LSE (rows past seqlen_q and columns past head_dim_v are not written).

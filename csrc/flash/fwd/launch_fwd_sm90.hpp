@@ -14,6 +14,7 @@
 #include "flash/common/tile_order.hpp"
 #include "flash/common/tma.hpp"
 #include "flash/config.hpp"
+#include "flash/fwd/exact_rows_sm90.hpp"
 #include "flash/fwd/kernel_fwd_sm90.hpp"
 #include "flash/fwd/tile_choice.hpp"
 #include "flash/params.hpp"
@@ -71,7 +72,9 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
   ScoreScales const scales = score_scales(p.softmax_scale, p.softcap);
   int const num_m_blocks = cute::ceil_div(p.seqlen_q, Traits::kBlockM);
   int64_t const num_tiles = int64_t(num_m_blocks) * p.nheads * p.batch;
-  if (num_tiles > INT32_MAX || (p.tile_counter != nullptr && p.num_sms <= 0)) { return cudaErrorInvalidValue; }
+  if (num_tiles > INT32_MAX || (p.tile_counter != nullptr && p.num_sms <= 0) || p.exact_rows_flag == nullptr) {
+    return cudaErrorInvalidValue;
+  }
   int window_left, window_right;
   kernel_window(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, window_left, window_right);
   // Persistent when the build has it and each tile sees few key blocks (config.hpp, kFwdPersistentMaxKeyBlocks), or
@@ -142,6 +145,7 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       int(num_tiles),
       persistent ? p.tile_counter : nullptr,
       section_heads,
+      p.exact_rows_flag,
   };
 
   // A softcap's fixed maximum: bf16 only (an fp16 P would underflow below it, flash/common/softmax.hpp); the fp16
@@ -158,7 +162,10 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
     if (err != cudaSuccess) { return err; }
     dim3 grid(persistent ? int(std::min<int64_t>(num_tiles, p.num_sms)) : int(num_tiles));
     kernel<<<grid, Traits::NumThreads, smem_bytes, stream>>>(kp);
-    return cudaGetLastError();
+    err = cudaGetLastError();
+    // (the fixed maximum bounds the scores by the softcap: no row is ever marked)
+    if (err != cudaSuccess || kMode == kSoftcapFixedMax) { return err; }
+    return launch_fwd_exact_rows<Element>(p, scales, window_left, window_right, stream);
   };
   if (mode == kNoSoftcap) { return launch(cute::C<int(kNoSoftcap)>{}); }
   if constexpr (kBf16) {
