@@ -165,28 +165,34 @@ def test_one_hot_rows_at_huge_softmax_scales(dtype, softmax_scale):
 @pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_equal_scores_at_huge_scaled_logits(dtype, head_dim, causal, logit_log2, api):
-    """Every key the same random row k0 and every query row ±q0, most of them scaled down by 2^-(logit_log2 - 4): each
-    row's scores are all equal, with a softmax_scale that puts the scaled logit (exp2 domain) of the full rows at
-    ±2^15, ±2^26 or ±2^33 (half an ulp of its float32 rounding: 2^-9, 2^2, 2^9) and of the scaled-down rows at ±2^4,
-    mixed within a warp's rows. The softmax is uniform over the keys a row sees whatever the scale, so out is the mean
-    of those values: the float32 reference at this scale, with the naive reference at the default scale (the same exact
-    answer) as the yardstick; LSE by the rule's floor. seqlen_k 700 spans several key blocks at every head_dim;
-    head_dim 40 runs on the 64-wide kernels, "gqa" puts both query heads on one K/V head, "softcap" adds a cap of
-    2^logit_log2 (the kernels' online-maximum softcap path), "documents" packs three documents into 300 positions (self-
-    attention). Before the fix: NaN, inf or 0
-    rows, and weights off by 2^r between key blocks (head_dim 64/96). 2^15 stays on the kernels' fast path (below
-    kExactRowsLimitLog2 = 2^16, csrc/flash/common/softmax.hpp); 2^26 and 2^33 go through the exact pass."""
+    """Every key the same row k0 and every query row ±q0 (random multiples of 1/4, so that the scores are exact), most
+    of them scaled down by 2^-(logit_log2 - 4): each row's scores are all equal, with a softmax_scale that puts the
+    scaled logit (exp2 domain) of the full rows at ±2^15, ±2^26 or ±2^33 (half an ulp of its float32 rounding: 2^-9,
+    2^2, 2^9) and of the scaled-down rows at ±2^4 (fp16 at 2^33: 0, below its subnormals), mixed within a warp's rows.
+    The softmax is uniform over the keys a row sees whatever the scale, so out is the mean of those values: the float32
+    reference at this scale, with the naive reference at the default scale (the same exact answer) as the yardstick;
+    LSE by the rule's floor. Two batch elements (varlen: two packed sequences, the second at row offsets 77 and 700),
+    seqlen_k 700 spanning several key blocks at every head_dim; head_dim 40 runs on the 64-wide kernels, "gqa" puts
+    both query heads on one K/V head, "softcap" adds a cap of 2^logit_log2 (the kernels' online-maximum softcap path),
+    "documents" packs three documents into 300 positions, split differently in the two batch elements. Before the fix:
+    NaN, inf or 0 rows, and weights off by 2^r between key blocks (head_dim 64/96). 2^15 stays on the kernels' fast
+    path (below kExactRowsLimitLog2 = 2^16, csrc/flash/common/softmax.hpp); 2^26 and 2^33 rows are recomputed by the
+    exact pass (csrc/flash/fwd/exact_rows_sm90.hpp), on which 2^33 depends."""
     require_built(head_dim, dtype)
-    seqlen_q, seqlen_k, nheads = (300, 300, 2) if api == "documents" else (77, 700, 2)
+    batch, nheads = 2, 2
+    seqlen_q, seqlen_k = (300, 300) if api == "documents" else (77, 700)
     gen = torch.Generator(device="cpu").manual_seed(logit_log2 * 1000 + head_dim)
-    q0 = randn(1, 1, 1, head_dim, dtype=torch.float32)
-    k0 = randn(1, 1, 1, head_dim, dtype=torch.float32)
-    sign = torch.randint(0, 2, (1, seqlen_q, nheads, 1), generator=gen).float() * 2 - 1
-    small = torch.rand(1, seqlen_q, nheads, 1, generator=gen) < 0.6
+    # Positive multiples of 1/4 in [1/4, 1]: every product and partial sum of q0 · k0 is exact in float32, so the
+    # kernels and the reference get the same scores. (With random normal rows the sum could cancel, and its rounding,
+    # scaled up to 2^15 and more, moved the reference's LSE by ~1: an ill-conditioned input, not a kernel error.)
+    q0 = (torch.randint(1, 5, (1, 1, 1, head_dim), generator=gen).float() / 4).to(DEVICE)
+    k0 = (torch.randint(1, 5, (1, 1, 1, head_dim), generator=gen).float() / 4).to(DEVICE)
+    sign = torch.randint(0, 2, (batch, seqlen_q, nheads, 1), generator=gen).float() * 2 - 1
+    small = torch.rand(batch, seqlen_q, nheads, 1, generator=gen) < 0.6
     row_scale = torch.where(small, 2.0 ** -(logit_log2 - 4), 1.0) * sign
     q = (q0 * row_scale.to(DEVICE)).to(dtype)
-    k = k0.expand(1, seqlen_k, 1 if api == "gqa" else nheads, head_dim).to(dtype).contiguous()
-    v = randn(1, seqlen_k, k.shape[2], head_dim, dtype=dtype)
+    k = k0.expand(batch, seqlen_k, 1 if api == "gqa" else nheads, head_dim).to(dtype).contiguous()
+    v = randn(batch, seqlen_k, k.shape[2], head_dim, dtype=dtype)
     score = (q0.to(dtype).float() * k0.to(dtype).float()).sum().abs().item()
     softmax_scale = 2.0**logit_log2 / (score * math.log2(math.e))
     window = (100, 0) if api == "window" else (-1, -1)
@@ -194,13 +200,15 @@ def test_equal_scores_at_huge_scaled_logits(dtype, head_dim, causal, logit_log2,
     if api == "softcap":
         opts["softcap"] = 2.0**logit_log2
     if api == "documents":
-        opts["document_ids"] = torch.tensor([0] * 100 + [1] * 150 + [2] * 50, device=DEVICE).unsqueeze(0)
+        opts["document_ids"] = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50, [0] * 20 + [1] * 200 + [2] * 80],
+                                            device=DEVICE)
     name = f"head_dim {head_dim} {api} causal {causal} logits ~2^{logit_log2}"
     if api == "varlen":
-        cu = cu_seqlens([seqlen_q]), cu_seqlens([seqlen_k])
-        out, lse = attention_varlen(q[0], k[0], v[0], *cu, seqlen_q, seqlen_k, softmax_scale=softmax_scale,
-                                    return_lse=True, **opts)
-        out, lse = out.unsqueeze(0), lse.unsqueeze(0)
+        cu = cu_seqlens([seqlen_q] * batch), cu_seqlens([seqlen_k] * batch)
+        out, lse = attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), *cu, seqlen_q, seqlen_k,
+                                    softmax_scale=softmax_scale, return_lse=True, **opts)
+        out = out.unflatten(0, (batch, seqlen_q))
+        lse = lse.unflatten(1, (batch, seqlen_q)).transpose(0, 1)  # (nheads, total_q) -> (batch, nheads, seqlen_q)
     else:
         out, lse = attention(q, k, v, softmax_scale=softmax_scale, return_lse=True, **opts)
     ref, ref_lse = attention_ref(q, k, v, softmax_scale=softmax_scale, upcast=True, **opts)

@@ -37,7 +37,7 @@ struct ExactRowsParams {
   int const* cu_seqlens_q;
   int const* cu_seqlens_k;
   bool softcap;
-  float score_scale, score_scale_log2, softcap_pre;
+  float score_scale_log2, softcap_pre;
   int window_left, window_right;  // as kernel_window gives them
   int const* doc_bounds;
   int const* flag;
@@ -80,29 +80,22 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(Exact
     Element const* v = static_cast<Element const*>(p.v_ptr) + info.bidb * p.v_batch_stride +
                        int64_t(info.offset_k) * p.v_row_stride + bidh_k * p.v_head_stride;
     float const c = p.score_scale_log2;
-    float m = -INFINITY;       // the row's largest rounded scaled score so far
-    float x_max = -INFINITY;   // its score before scaling (for the LSE, as the kernel's)
+    float m = -INFINITY;  // the row's largest rounded scaled score so far
     float l = 0.f;
-    bool nan = false;          // a NaN score makes the row NaN, as in the reference (fmaxf would skip it)
+    bool nan = false;  // a NaN score makes the row NaN, as in the reference (fmaxf would skip it)
     float o[kExactRowsMaxDimsPerLane];
     for (int t = 0; t < kExactRowsMaxDimsPerLane; ++t) { o[t] = 0.f; }
     for (int64_t key0 = lo; key0 < hi; key0 += 32) {
       int64_t const key = key0 + lane;
-      float x = -INFINITY, y = -INFINITY;
+      float y = -INFINITY;
       if (key < hi) {
         float s = 0.f;
         for (int d = 0; d < p.head_dim; ++d) { s = fmaf(float(q[d]), float(k[key * p.k_row_stride + d]), s); }
-        x = p.softcap ? tanhf(s * p.softcap_pre) : s;
-        y = __fmul_rn(x, c);
+        y = __fmul_rn(p.softcap ? tanhf(s * p.softcap_pre) : s, c);
       }
       nan |= __any_sync(0xffffffffu, y != y);
-      float m_new = m, x_new = x;
-      m_new = fmaxf(m_new, y);
-      for (int off = 16; off > 0; off /= 2) {
-        m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, off));
-        x_new = fmaxf(x_new, __shfl_xor_sync(0xffffffffu, x_new, off));
-      }
-      x_max = fmaxf(x_max, x_new);
+      float m_new = fmaxf(m, y);
+      for (int off = 16; off > 0; off /= 2) { m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, off)); }
       if (m_new == -INFINITY) { continue; }  // (warp-uniform) nothing visible yet
       float const pr = y == -INFINITY ? 0.f : exp2f(y - m_new);
       float const rescale = m == -INFINITY ? 0.f : exp2f(m - m_new);
@@ -131,7 +124,7 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(Exact
       int const d = lane + 32 * t;
       if (d < p.head_dim_v) { out[d] = Element(o[t] * inv); }
     }
-    if (lane == 0) { *lse = empty ? -INFINITY : x_max * p.score_scale + logf(l); }
+    if (lane == 0) { *lse = empty ? -INFINITY : fmaf(m, float(M_LN2), logf(l)); }
   }
 }
 
@@ -169,7 +162,6 @@ cudaError_t launch_fwd_exact_rows(FwdParams const& p, ScoreScales const& scales,
                      p.cu_seqlens_q,
                      p.cu_seqlens_k,
                      p.softcap > 0.f,
-                     scales.score_scale,
                      scales.score_scale_log2,
                      scales.softcap_pre,
                      window_left,

@@ -656,7 +656,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // Epilogue: O / l and LSE (rows past seqlen_q and columns past head_dim_v are not written).
   cute::array<float, kRows> lse;
-  auto inv_sum = softmax.template finalize<kFixedMax>(params.score_scale, lse, rounding, rounding_stride);
+  auto inv_sum = softmax.template finalize<kFixedMax>(lse, rounding, rounding_stride);
   OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
   Tensor tOrO_out = convert_type<Element>(tOrO);
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
