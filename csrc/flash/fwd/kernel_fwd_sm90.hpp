@@ -222,7 +222,8 @@ struct FwdKernelTraits {
     // > 0: tiles in sections of this many (head, batch) pairs, query blocks longest first across a section
     // (causal-like launches, no left limit: a shorter tail, with a section's K/V sized for L2); 0: head-major.
     int section_heads;
-    // Zeroed int32 set to 1 by a tile with rows for fwd_exact_rows (softmax.hpp, kExactRowsLimitLog2).
+    // Zeroed int32, set to 1 by a tile with rows for the exact pass (exact_rows_sm90.hpp; softmax.hpp,
+    // kExactRowsLimitLog2).
     int* exact_rows_flag;
   };
 
