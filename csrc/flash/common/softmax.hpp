@@ -13,9 +13,9 @@ using namespace cute;
 
 // Host: how raw scores S_raw = Q Kᵀ enter the softmax. Without softcap, x = S_raw and the exponent scale is
 // softmax_scale; with a softcap c, x = tanh(S_raw * softmax_scale / c) and the scale is c, so the softmax sees
-// c * tanh(softmax_scale * S_raw / c). score_scale_log2 folds log2(e) in for exp2.
+// c * tanh(softmax_scale * S_raw / c). score_scale_log2 is that scale times log2(e), for exp2.
 struct ScoreScales {
-  float score_scale, score_scale_log2, softcap_pre;
+  float score_scale_log2, softcap_pre;
 };
 // Largest softcap that runs with a fixed maximum (OnlineSoftmax::step_fixed_max): P >= exp(-2 * 30) = 8.8e-27, and
 // P times any V element of magnitude 2^-39 or more stays a normal float32 in the P V accumulator.
@@ -34,7 +34,7 @@ constexpr float kExactRowsLimitLog2 = 65536.f;  // 2^16
 
 inline ScoreScales score_scales(float softmax_scale, float softcap) {
   float const scale = softcap > 0.f ? softcap : softmax_scale;
-  return {scale, float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
+  return {float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
 }
 
 // Running row maximum and per-thread partial row sum l for the rows a thread holds. With the fixed maximum of the

@@ -208,9 +208,10 @@ struct FwdKernelTraits {
     int const* cu_seqlens_q;                    // varlen: (batch + 1) row offsets into q/o and k/v; else null
     int const* cu_seqlens_k;
     int qheads_per_kvhead;  // GQA/MQA group size (1 for MHA)
-    // Scores enter the softmax as x * score_scale: x = S_raw, score_scale = softmax_scale; or, with a softcap c,
-    // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and score_scale = c.
-    float score_scale, score_scale_log2, softcap_pre;
+    // Scores enter the softmax as x * scale: x = S_raw, scale = softmax_scale; or, with a softcap c,
+    // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and scale = c; score_scale_log2 = scale *
+    // log2(e) (the LSE comes from the scaled maximum: OnlineSoftmax::finalize).
+    float score_scale_log2, softcap_pre;
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
     bool pingpong;
