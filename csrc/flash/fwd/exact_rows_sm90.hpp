@@ -22,63 +22,54 @@
 
 namespace flash {
 
+// The forward's own parameters plus what its launcher derives (window sides as kernel_window gives them).
 struct ExactRowsParams {
-  void const* q_ptr;
-  void const* k_ptr;
-  void const* v_ptr;
-  void* o_ptr;
-  float* lse_ptr;
-  int64_t q_batch_stride, q_row_stride, q_head_stride;
-  int64_t k_batch_stride, k_row_stride, k_head_stride;
-  int64_t v_batch_stride, v_row_stride, v_head_stride;
-  int64_t o_batch_stride, o_row_stride, o_head_stride;
-  int64_t lse_batch_stride, lse_head_stride;  // as the forward kernel's
-  int batch, nheads, qheads_per_kvhead, seqlen_q, seqlen_k, head_dim, head_dim_v;
-  int const* cu_seqlens_q;
-  int const* cu_seqlens_k;
-  bool softcap;
+  FwdParams fwd;
   float score_scale_log2, softcap_pre;
-  int window_left, window_right;  // as kernel_window gives them
-  int const* doc_bounds;
-  int const* flag;
+  int window_left, window_right;
 };
 
 constexpr int kExactRowsThreads = 256;
 constexpr int kExactRowsMaxDimsPerLane = 8;  // head_dim_v <= 256
 
 template <class Element>
-__global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(ExactRowsParams const p) {
+__global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__grid_constant__ ExactRowsParams const p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the forward kernel has completed and its writes are visible
 #endif
-  if (*p.flag == 0) { return; }
+  FwdParams const& f = p.fwd;
+  if (*f.exact_rows_flag == 0) { return; }
+  bool const varlen = f.cu_seqlens_q != nullptr;
+  int64_t const lse_batch_stride = varlen ? 0 : int64_t(f.nheads) * f.seqlen_q;  // as the forward kernel's
+  int64_t const lse_head_stride = varlen ? int64_t(f.total_q) : int64_t(f.seqlen_q);
+  int const qheads_per_kvhead = f.nheads / f.nheads_k;
   int const lane = threadIdx.x % 32;
   int64_t const warps = int64_t(gridDim.x) * (kExactRowsThreads / 32);
-  int64_t const rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  int64_t const rows = int64_t(f.batch) * f.nheads * f.seqlen_q;
   for (int64_t w = blockIdx.x * int64_t(kExactRowsThreads / 32) + threadIdx.x / 32; w < rows; w += warps) {
-    int const i = int(w % p.seqlen_q);
-    int const bidh = int(w / p.seqlen_q % p.nheads);
-    int const batch_idx = int(w / p.seqlen_q / p.nheads);
-    SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, batch_idx);
+    int const i = int(w % f.seqlen_q);
+    int const bidh = int(w / f.seqlen_q % f.nheads);
+    int const batch_idx = int(w / f.seqlen_q / f.nheads);
+    SeqlenInfo const info(f.cu_seqlens_q, f.cu_seqlens_k, f.seqlen_q, f.seqlen_k, batch_idx);
     if (i >= info.seqlen_q) { continue; }
-    float* lse = p.lse_ptr + info.bidb * p.lse_batch_stride + bidh * p.lse_head_stride + info.offset_q + i;
+    float* lse = f.lse_ptr + info.bidb * lse_batch_stride + bidh * lse_head_stride + info.offset_q + i;
     if (fabsf(*lse) * float(M_LOG2E) < 0.5f * kExactRowsLimitLog2) { continue; }  // (NaN and +-inf go on)
     // Visible keys [lo, hi) (flash/common/mask.hpp's rule).
     int64_t const base = int64_t(i) + info.seqlen_k - info.seqlen_q;
     int64_t lo = cute::max(base - p.window_left, int64_t(0));
     int64_t hi = cute::min(base + p.window_right + 1, int64_t(info.seqlen_k));
-    if (p.doc_bounds != nullptr) {
-      int2 const d = reinterpret_cast<int2 const*>(p.doc_bounds)[int64_t(batch_idx) * info.seqlen_q + i];
+    if (f.doc_bounds != nullptr) {
+      int2 const d = reinterpret_cast<int2 const*>(f.doc_bounds)[int64_t(batch_idx) * info.seqlen_q + i];
       lo = cute::max(lo, int64_t(d.x));
       hi = cute::min(hi, int64_t(d.y));
     }
-    int const bidh_k = bidh / p.qheads_per_kvhead;
-    Element const* q = static_cast<Element const*>(p.q_ptr) + info.bidb * p.q_batch_stride +
-                       (info.offset_q + int64_t(i)) * p.q_row_stride + bidh * p.q_head_stride;
-    Element const* k = static_cast<Element const*>(p.k_ptr) + info.bidb * p.k_batch_stride +
-                       int64_t(info.offset_k) * p.k_row_stride + bidh_k * p.k_head_stride;
-    Element const* v = static_cast<Element const*>(p.v_ptr) + info.bidb * p.v_batch_stride +
-                       int64_t(info.offset_k) * p.v_row_stride + bidh_k * p.v_head_stride;
+    int const bidh_k = bidh / qheads_per_kvhead;
+    Element const* q = static_cast<Element const*>(f.q_ptr) + info.bidb * f.q_batch_stride +
+                       (info.offset_q + int64_t(i)) * f.q_row_stride + bidh * f.q_head_stride;
+    Element const* k = static_cast<Element const*>(f.k_ptr) + info.bidb * f.k_batch_stride +
+                       int64_t(info.offset_k) * f.k_row_stride + bidh_k * f.k_head_stride;
+    Element const* v = static_cast<Element const*>(f.v_ptr) + info.bidb * f.v_batch_stride +
+                       int64_t(info.offset_k) * f.v_row_stride + bidh_k * f.v_head_stride;
     float const c = p.score_scale_log2;
     float m = -INFINITY;  // the row's largest rounded scaled score so far
     float l = 0.f;
@@ -90,8 +81,8 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(Exact
       float y = -INFINITY;
       if (key < hi) {
         float s = 0.f;
-        for (int d = 0; d < p.head_dim; ++d) { s = fmaf(float(q[d]), float(k[key * p.k_row_stride + d]), s); }
-        y = __fmul_rn(p.softcap ? tanhf(s * p.softcap_pre) : s, c);
+        for (int d = 0; d < f.head_dim; ++d) { s = fmaf(float(q[d]), float(k[key * f.k_row_stride + d]), s); }
+        y = __fmul_rn(f.softcap > 0.f ? tanhf(s * p.softcap_pre) : s, c);
       }
       nan |= __any_sync(0xffffffffu, y != y);
       float m_new = fmaxf(m, y);
@@ -107,10 +98,10 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(Exact
       int const n = int(cute::min(int64_t(32), hi - key0));
       for (int src = 0; src < n; ++src) {
         float const ps = __shfl_sync(0xffffffffu, pr, src);
-        Element const* v_row = v + (key0 + src) * p.v_row_stride;
+        Element const* v_row = v + (key0 + src) * f.v_row_stride;
         for (int t = 0; t < kExactRowsMaxDimsPerLane; ++t) {
           int const d = lane + 32 * t;
-          if (d < p.head_dim_v) { o[t] = fmaf(ps, float(v_row[d]), o[t]); }
+          if (d < f.head_dim_v) { o[t] = fmaf(ps, float(v_row[d]), o[t]); }
         }
       }
     }
@@ -118,11 +109,11 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(Exact
     if (nan) { l = NAN; }
     bool const empty = l == 0.f;
     float const inv = empty ? 0.f : 1.f / l;
-    Element* out = static_cast<Element*>(p.o_ptr) + info.bidb * p.o_batch_stride +
-                   (info.offset_q + int64_t(i)) * p.o_row_stride + bidh * p.o_head_stride;
+    Element* out = static_cast<Element*>(f.o_ptr) + info.bidb * f.o_batch_stride +
+                   (info.offset_q + int64_t(i)) * f.o_row_stride + bidh * f.o_head_stride;
     for (int t = 0; t < kExactRowsMaxDimsPerLane; ++t) {
       int const d = lane + 32 * t;
-      if (d < p.head_dim_v) { out[d] = Element(o[t] * inv); }
+      if (d < f.head_dim_v) { out[d] = Element(o[t] * inv); }
     }
     if (lane == 0) { *lse = empty ? -INFINITY : fmaf(m, float(M_LN2), logf(l)); }
   }
@@ -132,42 +123,7 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(Exact
 template <class Element>
 cudaError_t launch_fwd_exact_rows(FwdParams const& p, ScoreScales const& scales, int window_left, int window_right,
                                   cudaStream_t stream) {
-  bool const varlen = p.cu_seqlens_q != nullptr;
-  ExactRowsParams ep{p.q_ptr,
-                     p.k_ptr,
-                     p.v_ptr,
-                     p.o_ptr,
-                     p.lse_ptr,
-                     p.q_batch_stride,
-                     p.q_row_stride,
-                     p.q_head_stride,
-                     p.k_batch_stride,
-                     p.k_row_stride,
-                     p.k_head_stride,
-                     p.v_batch_stride,
-                     p.v_row_stride,
-                     p.v_head_stride,
-                     p.o_batch_stride,
-                     p.o_row_stride,
-                     p.o_head_stride,
-                     varlen ? 0 : int64_t(p.nheads) * p.seqlen_q,
-                     varlen ? int64_t(p.total_q) : int64_t(p.seqlen_q),
-                     p.batch,
-                     p.nheads,
-                     p.nheads / p.nheads_k,
-                     p.seqlen_q,
-                     p.seqlen_k,
-                     p.head_dim,
-                     p.head_dim_v,
-                     p.cu_seqlens_q,
-                     p.cu_seqlens_k,
-                     p.softcap > 0.f,
-                     scales.score_scale_log2,
-                     scales.softcap_pre,
-                     window_left,
-                     window_right,
-                     p.doc_bounds,
-                     p.exact_rows_flag};
+  ExactRowsParams const ep{p, scales.score_scale_log2, scales.softcap_pre, window_left, window_right};
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(std::max(p.num_sms, 1));
   config.blockDim = dim3(kExactRowsThreads);
