@@ -393,7 +393,8 @@ def _check_document_ids(document_ids, q, k):
         )
 
 
-# document_ids tensors -> their bounds (the layers of one step pass the same tensor: computed once per step).
+# document_ids tensors -> {CUDA stream: their bounds} (the layers of one step pass the same tensor: computed once per
+# step and stream).
 _DOCUMENT_BOUNDS = None  # a _ValueNotes, made below
 
 
@@ -425,10 +426,16 @@ def _document_bounds(document_ids, compiling):
     # the bounds are computed every call instead of coming from the cache.
     if compiling or (document_ids.is_cuda and _capturing(document_ids.device)):
         return document_bounds(document_ids)
-    bounds = _DOCUMENT_BOUNDS.get(document_ids)
-    if bounds is _ValueNotes.MISSING:
-        bounds = document_bounds(document_ids)
-        _DOCUMENT_BOUNDS.put(document_ids, bounds)
+    # Kept per stream: bounds made on one stream are neither ordered before, nor kept alive by the caching allocator
+    # for, a kernel on another (two micro-batches on two streams sharing one document_ids tensor).
+    stream = torch.cuda.current_stream(document_ids.device).cuda_stream if document_ids.is_cuda else None
+    per_stream = _DOCUMENT_BOUNDS.get(document_ids)
+    if per_stream is _ValueNotes.MISSING:
+        per_stream = {}
+        _DOCUMENT_BOUNDS.put(document_ids, per_stream)
+    bounds = per_stream.get(stream)
+    if bounds is None:
+        bounds = per_stream[stream] = document_bounds(document_ids)
     return bounds
 
 
