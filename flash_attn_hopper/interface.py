@@ -393,7 +393,7 @@ def _check_document_ids(document_ids, q, k):
         )
 
 
-# document_ids tensors -> {CUDA stream: their bounds} (the layers of one step pass the same tensor: computed once per
+# document_ids tensors -> their bounds, per CUDA stream (the layers of one step pass the same tensor: computed once per
 # step and stream).
 _DOCUMENT_BOUNDS = None  # a _ValueNotes, made below
 
@@ -426,16 +426,10 @@ def _document_bounds(document_ids, compiling):
     # the bounds are computed every call instead of coming from the cache.
     if compiling or (document_ids.is_cuda and _capturing(document_ids.device)):
         return document_bounds(document_ids)
-    # Kept per stream: bounds made on one stream are neither ordered before, nor kept alive by the caching allocator
-    # for, a kernel on another (two micro-batches on two streams sharing one document_ids tensor).
-    stream = torch.cuda.current_stream(document_ids.device).cuda_stream if document_ids.is_cuda else None
-    per_stream = _DOCUMENT_BOUNDS.get(document_ids)
-    if per_stream is _ValueNotes.MISSING:
-        per_stream = {}
-        _DOCUMENT_BOUNDS.put(document_ids, per_stream)
-    bounds = per_stream.get(stream)
-    if bounds is None:
-        bounds = per_stream[stream] = document_bounds(document_ids)
+    bounds = _DOCUMENT_BOUNDS.get(document_ids, document_ids.device)
+    if bounds is _ValueNotes.MISSING:
+        bounds = document_bounds(document_ids)
+        _DOCUMENT_BOUNDS.put(document_ids, bounds, document_ids.device)
     return bounds
 
 
@@ -446,25 +440,37 @@ class _ValueNotes:
     unchanged: the layers of one model step pass the same tensors, so their values are read once. Writes that bypass
     the version counter (through ``.data``, or a numpy array sharing the memory) are not seen; inference-mode tensors
     have no version counter and are never kept. (Not a WeakKeyDictionary: it compares keys with ==, which tensors
-    answer elementwise.)"""
+    answer elementwise.)
+    A result that is itself a CUDA tensor is kept per stream (get and put with its ``device``): one made on another
+    stream would be neither ordered before this stream's kernels nor kept alive by the caching allocator for them."""
 
     MISSING = object()
 
     def __init__(self):
-        self._entries = {}  # id(tensor) -> (weak reference, version, value)
+        self._entries = {}  # id(tensor) -> (weak reference, version, {stream handle or None: value})
 
-    def get(self, t):
+    def get(self, t, device=None):
         entry = self._entries.get(id(t))
         if entry is not None and entry[0]() is t and entry[1] == t._version:
-            return entry[2]
+            return entry[2].get(_stream_key(device), self.MISSING)
         return self.MISSING
 
-    def put(self, t, value):
+    def put(self, t, value, device=None):
         if t.is_inference():
             return
         key = id(t)
-        ref = weakref.ref(t, lambda _, key=key: self._entries.pop(key, None))
-        self._entries[key] = (ref, t._version, value)
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not t or entry[1] != t._version:
+            ref = weakref.ref(t, lambda _, key=key: self._entries.pop(key, None))
+            entry = self._entries[key] = (ref, t._version, {})
+        entry[2][_stream_key(device)] = value
+
+
+def _stream_key(device):
+    """The handle of `device`'s current stream for results on a CUDA device; None for results on the host or the CPU."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 # cu_seqlens tensors whose values were checked -> (first entry, last entry, longest sequence).

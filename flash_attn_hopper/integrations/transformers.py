@@ -55,7 +55,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
     ) from _e
 
 from .. import interface as _interface
-from ..interface import _ValueNotes
+from ..interface import _ValueNotes, _capturing
 
 ATTN_IMPLEMENTATION = "flash_attn_hopper"
 """The ``attn_implementation`` name that ``register()`` registers."""
@@ -225,15 +225,19 @@ def _is_padding_mask(attention_mask, query, key):
     )
 
 
-# Padding masks already turned into token indices -> (q_length, result of _unpadding). The layers of one forward get
-# the same mask tensor, so it is read from the device once per forward.
+# Padding masks already turned into token indices -> (q_length, result of _unpadding), per CUDA stream. The layers of
+# one forward get the same mask tensor, so it is read from the device once per forward.
 _UNPADDING = _ValueNotes()
 
 
 def _unpadding(attention_mask, q_length):
     """(indices_q, indices_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a (batch, kv_length) padding
     mask whose last q_length columns are the queries' positions (the keys before them come from a cache)."""
-    cached = _UNPADDING.get(attention_mask)
+    if attention_mask.is_cuda and _capturing(attention_mask.device):
+        # (a cached result would replay the warm-up's padding whatever mask the graph is later given)
+        raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be used inside a CUDA graph capture: its "
+                           "sequence lengths are read on the host; pack the batch (position_ids) instead")
+    cached = _UNPADDING.get(attention_mask, attention_mask.device)
     if cached is not _ValueNotes.MISSING and cached[0] == q_length:
         return cached[1]
     mask_k = attention_mask
@@ -244,7 +248,7 @@ def _unpadding(attention_mask, q_length):
     indices_k = mask_k.flatten().nonzero().flatten()
     longest_q, longest_k = (max(row, default=0) for row in lengths.tolist())  # the one host read
     result = (indices_q, indices_k, cu[0], cu[1], longest_q, longest_k)
-    _UNPADDING.put(attention_mask, (q_length, result))
+    _UNPADDING.put(attention_mask, (q_length, result), attention_mask.device)
     return result
 
 
@@ -278,8 +282,9 @@ def _packed_sequences(module, query, key, kwargs):
     return None
 
 
-# position_ids tensors -> (batch, document_ids for that batch). The layers of one forward pass the same tensor, so the
-# ids (and the kernels' bounds, cached by flash_attn_hopper.interface per ids tensor) are computed once per forward.
+# position_ids tensors -> (batch, document_ids for that batch), per CUDA stream. The layers of one forward pass the same
+# tensor, so the ids (and the kernels' bounds, cached by flash_attn_hopper.interface per ids tensor and stream) are
+# computed once per forward.
 _DOCUMENTS = _ValueNotes()
 
 
@@ -293,9 +298,11 @@ def _documents(position_ids, query, key):
     batch, seqlen = query.shape[0], query.shape[2]
     if key.shape[2] != seqlen or position_ids.shape[1] != seqlen or position_ids.shape[0] not in (1, batch):
         return None
-    compiling = torch.compiler.is_compiling()
+    # Under torch.compile and inside a CUDA graph capture (a replay must derive them from the ids it finds) the ids are
+    # computed every call.
+    compiling = torch.compiler.is_compiling() or (query.is_cuda and _capturing(query.device))
     if not compiling:
-        cached = _DOCUMENTS.get(position_ids)
+        cached = _DOCUMENTS.get(position_ids, query.device)
         if cached is not _ValueNotes.MISSING and cached[0] == batch:
             return cached[1]
     pos = position_ids.to(query.device)
@@ -303,7 +310,7 @@ def _documents(position_ids, query, key):
     ids = torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).cumsum(1, dtype=torch.int32)
     ids = ids.expand(batch, seqlen)
     if not compiling:
-        _DOCUMENTS.put(position_ids, (batch, ids))
+        _DOCUMENTS.put(position_ids, (batch, ids), query.device)
     return ids
 
 
