@@ -710,7 +710,7 @@ def window_keys_per_row(seqlen, causal):
     return window_pairs(seqlen, WINDOW, 0 if causal else WINDOW) / seqlen
 
 
-ADJACENT_ROUNDS = 2  # time_adjacent: reference, feature, feature, reference (each ADJACENT_ROUNDS times)
+ADJACENT_ROUNDS = 2  # time_adjacent: a discarded warm-up, then reference, feature, feature, reference
 ADJACENT_SEQLEN_STEP = 128  # a window's equal-work references: the multiple of this nearest the target seqlen
 
 
@@ -739,14 +739,21 @@ def feature_reference_specs(spec, step=None):
     return out
 
 
-def time_adjacent(timer, feature_fn, reference_fn, rounds=ADJACENT_ROUNDS):
+def time_adjacent(timer, feature_fn, reference_fn, rounds=ADJACENT_ROUNDS, warmup=True):
     """Median times (ms) of a feature call and its dense reference, timed in turn so that both see the same clock and
     power state (on a GPU at its power limit the SM clock drifts over a run of minutes, which moves ratios between
-    points measured far apart): reference, feature, then feature, reference, ... (`rounds` times each; an even count
-    cancels a steady drift). Returns (feature ms, reference ms), each the mean of its rounds' medians."""
+    points measured far apart). With `warmup`, one timing of the reference is made first and discarded: the first
+    timed call of a point otherwise runs on a card cooled by the previous point's lighter work, before the power
+    limit lowers the clock, and the side timed first reads fast (H200, session 40: a bf16 call beside a copy of
+    itself read 0.91-0.97 of it at head_dim 128). Then `rounds` rounds in the Thue-Morse order (reference, feature;
+    feature, reference; feature, reference; reference, feature; ...): two rounds cancel a steady drift, four also a
+    drift's curvature. Returns (feature ms, reference ms), each the mean of its rounds' medians."""
+    if warmup:
+        timer(reference_fn)
     tf, tr = [], []
     for i in range(rounds):
-        order = ((reference_fn, tr), (feature_fn, tf)) if i % 2 == 0 else ((feature_fn, tf), (reference_fn, tr))
+        reference_first = bin(i).count("1") % 2 == 0
+        order = ((reference_fn, tr), (feature_fn, tf)) if reference_first else ((feature_fn, tf), (reference_fn, tr))
         for fn, acc in order:
             acc.append(timer(fn)["median"])
     return sum(tf) / len(tf), sum(tr) / len(tr)

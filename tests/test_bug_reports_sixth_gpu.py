@@ -613,6 +613,7 @@ def test_document_bounds_served_to_another_stream(fault):
                 out_a, lse_a = attention(*runs[0], causal=True, document_ids=ids, return_lse=True)
             with torch.cuda.stream(b):
                 out_b, lse_b = attention(*runs[1], causal=True, document_ids=ids, return_lse=True)
+            b.synchronize()  # b's kernel has run: a must still be busy, i.e. before its bounds were computed
             busy = not a.query()
         else:
             with torch.cuda.stream(a):
@@ -625,6 +626,7 @@ def test_document_bounds_served_to_another_stream(fault):
                 ids.record_stream(s)
             del ids
             planted = plant()  # a is idle: written at once, into the block of the freed bounds unless b holds it
+            a.synchronize()  # the planted blocks are written: b must still be busy, i.e. its kernel not yet run
             busy = not b.query()
             torch.cuda.synchronize()
             planted.clear()

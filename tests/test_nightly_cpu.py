@@ -520,17 +520,32 @@ def test_feature_reference_specs():
                                                                                        ("equal_work_causal", True, 64)]
 
 
-def test_time_adjacent_alternates_reference_first():
-    """reference, feature, feature, reference: an even number of rounds cancels a steady clock drift."""
-    calls = []
-    times = {"feature": iter([2.0, 4.0]), "reference": iter([1.0, 3.0])}
+def test_time_adjacent_warms_up_then_alternates_in_thue_morse_order():
+    """A discarded reference timing, then reference, feature; feature, reference; feature, reference; reference,
+    feature: the two sides' positions have equal sums and equal sums of squares over four rounds, so a steady drift
+    and its curvature both cancel (two rounds cancel the steady part)."""
+    def run(rounds, warmup):
+        calls = []
+        medians = {"feature": iter([2.0, 4.0, 6.0, 8.0]), "reference": iter([0.5, 1.0, 3.0, 5.0, 7.0])}
+        if not warmup:
+            next(medians["reference"])
 
-    def timer(fn):
-        name = fn()
-        calls.append(name)
-        return {"median": next(times[name])}
+        def timer(fn):
+            name = fn()
+            calls.append(name)
+            return {"median": next(medians[name])}
 
-    t_feat, t_ref = nb.time_adjacent(timer, lambda: "feature", lambda: "reference", rounds=2)
+        return calls, nb.time_adjacent(timer, lambda: "feature", lambda: "reference", rounds=rounds, warmup=warmup)
+
+    calls, (t_feat, t_ref) = run(4, True)
+    assert calls == ["reference"] + ["reference", "feature", "feature", "reference",
+                                     "feature", "reference", "reference", "feature"]
+    assert (t_feat, t_ref) == (5.0, 4.0)  # the warm-up's 0.5 is not in the mean
+    timed = calls[1:]
+    for side in ("reference", "feature"):
+        slots = [i for i, name in enumerate(timed) if name == side]
+        assert (sum(slots), sum(i * i for i in slots)) == (14, 70)
+    calls, (t_feat, t_ref) = run(2, False)
     assert calls == ["reference", "feature", "feature", "reference"]
     assert (t_feat, t_ref) == (3.0, 2.0)
 
