@@ -13,9 +13,9 @@ using namespace cute;
 
 // Host: how raw scores S_raw = Q Kᵀ enter the softmax. Without softcap, x = S_raw and the exponent scale is
 // softmax_scale; with a softcap c, x = tanh(S_raw * softmax_scale / c) and the scale is c, so the softmax sees
-// c * tanh(softmax_scale * S_raw / c). score_scale_log2 is that scale times log2(e), for exp2.
+// c * tanh(softmax_scale * S_raw / c). score_scale_log2 folds log2(e) in for exp2.
 struct ScoreScales {
-  float score_scale_log2, softcap_pre;
+  float score_scale, score_scale_log2, softcap_pre;
 };
 // Largest softcap that runs with a fixed maximum (OnlineSoftmax::step_fixed_max): P >= exp(-2 * 30) = 8.8e-27, and
 // P times any V element of magnitude 2^-39 or more stays a normal float32 in the P V accumulator.
@@ -34,16 +34,15 @@ constexpr float kExactRowsLimitLog2 = 65536.f;  // 2^16
 
 inline ScoreScales score_scales(float softmax_scale, float softcap) {
   float const scale = softcap > 0.f ? softcap : softmax_scale;
-  return {float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
+  return {scale, float(double(scale) * M_LOG2E), softcap > 0.f ? softmax_scale / softcap : 0.f};
 }
 
-// Running row maximum and per-thread partial row sum l for the rows a thread holds. With the fixed maximum of the
-// softcap the caller also keeps a rounding sum per row: how much rounding P to bf16 for P V changed l on boundary key
-// blocks (add_rounding).
-// scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - M), one FFMA per
-// element, with M = round(m * scale_log2): the maximum is kept in that form (row_max, log2 units), the one every P of
-// the row is taken against, so that the O rescale exp2(M_old - M_new) is exactly the factor between two blocks' P
-// (kExactRowsLimitLog2) and the LSE is M ln 2 + ln l.
+// Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds. With the fixed
+// maximum of the softcap the caller also keeps a rounding sum per row: how much rounding P to bf16 for P V changed l
+// on boundary key blocks (add_rounding).
+// scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
+// one FFMA per element. (m stays raw: kept as the rounded scaled value instead, the forward read 1-3 % slower at
+// head_dim 64 on the H200 with no more instructions per block; session 40.)
 // kChains: independent dependency chains per row for the max and sum reductions (FwdKernelTraits::kSoftmaxChains).
 template <int kRows, int kChains = 1>
 struct OnlineSoftmax {
@@ -122,8 +121,7 @@ struct OnlineSoftmax {
     row_maxima(s, block_max);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      // (rounding is monotonic: the rounded maximum of the scaled scores is the maximum of their rounded values)
-      float m = quad_max(fmaxf(row_max[r], block_max[r] * scale_log2));
+      float m = quad_max(fmaxf(row_max[r], block_max[r]));
       // A row with no visible key so far keeps max -inf; subtracting 0 then maps every -inf score to P = 0
       // instead of NaN.
       float m_scaled;
@@ -131,19 +129,19 @@ struct OnlineSoftmax {
         // A row's first finite maximum always moves it (m - -inf = inf; O and the sum are still zero then). A row
         // that still sees no key (-inf - -inf = NaN) and a NaN maximum compare false: no move, so such a row does
         // not make its warp rescale O every block; NaN scores propagate through P as before.
-        bool const move = m - row_max[r] > kRescaleThresholdLog2;
+        bool const move = (m - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
         rescale[r] = 1.f;
         if (move) {
-          rescale[r] = row_max[r] == -INFINITY ? 1.f : exp2f(row_max[r] - m);
+          rescale[r] = row_max[r] == -INFINITY ? 1.f : exp2f((row_max[r] - m) * scale_log2);
           row_max[r] = m;
           moved = true;
         }
-        m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r];
+        m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
       } else {
-        m_scaled = m == -INFINITY ? 0.f : m;
-        // Exactly 1 while the maximum stays. (Taken from the raw maximum as an FFMA against the new rounded one, it
-        // multiplied O by 2^r at every key block: an error that grew with the number of blocks.)
-        rescale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] - m);
+        m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+        // From the difference of the maxima: exactly 1 while the maximum stays. (An FFMA of the old maximum against
+        // the new rounded one multiplied O by 2^r at every key block: an error growing with the number of blocks.)
+        rescale[r] = m == -INFINITY ? 1.f : exp2f((row_max[r] - m) * scale_log2);
         row_max[r] = m;
       }
       CUTLASS_PRAGMA_UNROLL
@@ -164,7 +162,7 @@ struct OnlineSoftmax {
     bool any = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float const m = fabsf(row_max[r]);
+      float const m = fabsf(row_max[r] * scale_log2);
       any |= m >= kExactRowsLimitLog2 && m < INFINITY;
     }
     return any;
@@ -177,7 +175,7 @@ struct OnlineSoftmax {
   // add_rounding after the conversion of P on key blocks that the mask crosses, and finalize<true>.
   CUTLASS_DEVICE void fix_max() {
     CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) { row_max[r] = scale_log2; }  // (scaled: the cap c times log2(e))
+    for (int r = 0; r < kRows; ++r) { row_max[r] = 1.f; }
   }
   template <class TensorS>
   CUTLASS_DEVICE void step_fixed_max(TensorS& tSrS) {
@@ -230,12 +228,12 @@ struct OnlineSoftmax {
   }
 
   // Completes the row sums across the quad; returns 1/l per row (0 for a row that saw no key) and writes the
-  // natural-log LSE = M ln 2 + ln l (-inf for such a row). kRounding (the fixed maximum): O's 1/l from
+  // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row). kRounding (the fixed maximum): O's 1/l from
   // l plus the rounding sum instead (add_rounding); both are 0 exactly when the row saw no key (P >= exp(-2c) is a
   // normal bf16 number).
   template <bool kRounding = false>
-  CUTLASS_DEVICE cute::array<float, kRows> finalize(cute::array<float, kRows>& lse, float const* rounding = nullptr,
-                                                    int stride = 0) {
+  CUTLASS_DEVICE cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse,
+                                                    float const* rounding = nullptr, int stride = 0) {
     cute::array<float, kRows> inv_sum;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -244,7 +242,7 @@ struct OnlineSoftmax {
       if constexpr (kRounding) { l_o = l + quad_sum(rounding[r * stride]); }
       bool const empty = l == 0.f;  // a NaN sum (NaN input) stays NaN in O and LSE rather than reading as "no key"
       inv_sum[r] = empty ? 0.f : 1.f / l_o;
-      lse[r] = empty ? -INFINITY : fmaf(row_max[r], float(M_LN2), logf(l));
+      lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(l);
     }
     return inv_sum;
   }

@@ -208,10 +208,9 @@ struct FwdKernelTraits {
     int const* cu_seqlens_q;                    // varlen: (batch + 1) row offsets into q/o and k/v; else null
     int const* cu_seqlens_k;
     int qheads_per_kvhead;  // GQA/MQA group size (1 for MHA)
-    // Scores enter the softmax as x * scale: x = S_raw, scale = softmax_scale; or, with a softcap c,
-    // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and scale = c; score_scale_log2 = scale *
-    // log2(e) (the LSE comes from the scaled maximum: OnlineSoftmax::finalize).
-    float score_scale_log2, softcap_pre;
+    // Scores enter the softmax as x * score_scale: x = S_raw, score_scale = softmax_scale; or, with a softcap c,
+    // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and score_scale = c.
+    float score_scale, score_scale_log2, softcap_pre;
     int window_left, window_right;  // >= 0, unbounded sides already replaced (flash/common/mask.hpp)
     int const* doc_bounds;          // documents (dense self-attention): (batch, seqlen_q, 2) int32; else null
     bool pingpong;
@@ -223,8 +222,7 @@ struct FwdKernelTraits {
     // > 0: tiles in sections of this many (head, batch) pairs, query blocks longest first across a section
     // (causal-like launches, no left limit: a shorter tail, with a section's K/V sized for L2); 0: head-major.
     int section_heads;
-    // Zeroed int32, set to 1 by a tile with rows for the exact pass (exact_rows_sm90.hpp; softmax.hpp,
-    // kExactRowsLimitLog2).
+    // Zeroed int32 set to 1 by a tile with rows for fwd_exact_rows (softmax.hpp, kExactRowsLimitLog2).
     int* exact_rows_flag;
   };
 
@@ -658,7 +656,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
 
   // Epilogue: O / l and LSE (rows past seqlen_q and columns past head_dim_v are not written).
   cute::array<float, kRows> lse;
-  auto inv_sum = softmax.template finalize<kFixedMax>(lse, rounding, rounding_stride);
+  auto inv_sum = softmax.template finalize<kFixedMax>(params.score_scale, lse, rounding, rounding_stride);
   OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
   Tensor tOrO_out = convert_type<Element>(tOrO);
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));

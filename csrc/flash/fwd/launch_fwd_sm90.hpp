@@ -134,6 +134,7 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       p.cu_seqlens_q,
       p.cu_seqlens_k,
       p.nheads / p.nheads_k,
+      scales.score_scale,
       scales.score_scale_log2,
       scales.softcap_pre,
       window_left,
