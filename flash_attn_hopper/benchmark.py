@@ -147,6 +147,12 @@ def parse_args(argv=None):
     )
     g.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms (default 25)")
     g.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms (default 100)")
+    g.add_argument(
+        "--settle",
+        action="store_true",
+        help="time each backend once more before the timing kept, and discard it (the clock and power state of the "
+        "backend's own steady load, not of the lighter work before it)",
+    )
     g.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     g.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     g.add_argument(
@@ -468,6 +474,8 @@ def _time_all(torch, timer, args, part, make_thunk, in_backend):
             continue
         try:
             fn = make_thunk(name)
+            if getattr(args, "settle", False):
+                in_backend(name, lambda fn=fn: timer(fn))
             stats = in_backend(name, lambda fn=fn: timer(fn))
         except Exception as e:  # noqa: BLE001
             part["errors"][name] = "timing failed: " + _describe(e)
@@ -1181,6 +1189,7 @@ def make_config(args):
             "backends",
             "warmup",
             "rep",
+            "settle",
             "smoke",
             "no_adjacent",
         )
