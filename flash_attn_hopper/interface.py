@@ -20,6 +20,7 @@ _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
 _MAX_SEQLEN = 2**30 - 256  # rows per tensor: the kernels' mask sums (seqlen_q + seqlen_k + 2 tiles) fit int32
+_FWD_TILE_ROWS = 128  # the forward's smallest tile height (flash/config.hpp): the most tiles a launch can have
 
 
 def kernel_head_dim(head_dim, backward=False):
@@ -96,6 +97,18 @@ def _check_tensor_args(q, k, v):
                 f"{name} must have stride 1 in its last dimension (head_dim), got stride {t.stride(-1)}; "
                 f"call {name}.contiguous() first"
             )
+
+
+def _check_fwd_tiles(batch, nheads, seqlen_q, names):
+    """The forward numbers its tiles (query row blocks x heads x batch) with int32: refuse a launch past that by name
+    (the launcher would fail with a bare "invalid argument"). Reached only by huge grids, e.g. seqlen_q 1 with
+    batch x nheads >= 2^31, or thousands of varlen sequences under a long max_seqlen_q."""
+    tiles = -(-seqlen_q // _FWD_TILE_ROWS) * nheads * batch
+    if tiles > _INT32_MAX:
+        raise ValueError(
+            f"{names[0]} ({batch}) x {names[1]} ({nheads}) x ceil({names[2]} ({seqlen_q}) / {_FWD_TILE_ROWS}) = "
+            f"{tiles} forward tiles; at most 2^31 - 1 are supported: split the call"
+        )
 
 
 def _check_devices(named_devices):
@@ -282,7 +295,8 @@ def attention(
             q, k, v or document_ids is a nested tensor or not torch.strided (sparse).
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
-            above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); head_dim or head_dim_v is
+            above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); batch x nheads x
+            ceil(seqlen_q / 128) (the forward's tiles) of 2^31 or more; head_dim or head_dim_v is
             not a multiple of 8 in [8, 256] (or the forward or backward kernel size of the larger is not in this build);
             the last dimension's stride is not 1; a tensor is not on a CUDA device, the tensors are on different
             devices, or the GPU is not sm90;
@@ -326,6 +340,7 @@ def _check_call(q, k, v, softmax_scale, causal, window_size, softcap, determinis
     """Every check of ``attention``'s arguments; returns the op's scalar arguments (softmax_scale, causal, window_left,
     window_right, softcap, deterministic)."""
     _check_tensor_args(q, k, v)
+    _check_fwd_tiles(q.shape[0], q.shape[2], q.shape[1], ("batch", "nheads", "seqlen_q"))
     softmax_scale = _check_scale(softmax_scale, q.shape[-1])
     causal = _check_causal(causal)
     window_left, window_right = _check_window(window_size, causal)
@@ -565,7 +580,8 @@ def attention_varlen(
         TypeError: as ``attention``; cu_seqlens not tensors (or nested, or sparse); max_seqlen not Python ints.
         ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D,
             not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
-            below the longest sequence, negative, or 2^31 or more; more than 65535 sequences.
+            below the longest sequence, negative, or 2^31 or more; more than 65535 sequences; sequences x nheads x
+            ceil(min(max_seqlen_q, total_q) / 128) (the forward's tiles) of 2^31 or more.
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
@@ -605,6 +621,9 @@ def attention_varlen(
         )
     if cu_seqlens_q.numel() - 1 > _MAX_GRID_YZ:
         raise ValueError(f"at most {_MAX_GRID_YZ} sequences are supported, got {cu_seqlens_q.numel() - 1}")
+    # The launch covers the longest sequence in every one (no sequence is longer than q's rows).
+    _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
+                     ("the number of sequences", "nheads", "max_seqlen_q"))
     _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
     _ops.require_extension()
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,

@@ -778,3 +778,58 @@ def test_good_document_ids_pass_their_checks(dtype):
     q, k, v = _qkv(seqlen_k=SQ)
     with pytest.raises(ValueError, match=r"^q is on device 'cpu'"):
         attention(q, k, v, document_ids=torch.tensor([[0, 0, 1, 1, 1], [3, 3, 3, 3, 3]], dtype=dtype))
+
+
+# ------------------------------------------------------------------------------------------------ forward tile count
+
+
+def _reach_op(monkeypatch):
+    """Device and extension checks pass; reaching the op raises LookupError (every argument check passed)."""
+    import types
+
+    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
+    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
+    monkeypatch.setattr(interface, "_check_compiled", lambda *a: None)
+    monkeypatch.setattr(interface._ops, "require_extension", lambda: None)
+    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
+    monkeypatch.setattr(interface, "_capturing", lambda device: True)  # no host read of cu_seqlens
+
+    def op(*args):
+        raise LookupError("reached the op")
+
+    for name in ("fwd", "fwd_varlen"):
+        monkeypatch.setattr(torch.ops.flash_attn_hopper, name, types.SimpleNamespace(default=op), raising=False)
+
+
+@pytest.mark.parametrize("seqlen_q, refused", [(128, False), (129, True)])
+def test_dense_forward_tiles_past_int32_refused_by_name(monkeypatch, seqlen_q, refused):
+    """The forward numbers its tiles (query blocks x heads x batch) in int32; the launcher refused more with a bare
+    "invalid argument" RuntimeError (seventh round, class BD). Dense: 65535 batch x 16385 heads is just past 2^31 - 1
+    tiles at two query blocks; one block fits. Meta tensors: nothing is allocated."""
+    _reach_op(monkeypatch)
+    batch, nheads = 65535, 16385
+    q = torch.empty(batch, seqlen_q, nheads, 8, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(batch, 16, 1, 8, device="meta", dtype=torch.bfloat16)
+    expected = (ValueError, r"^batch \(65535\) x nheads \(16385\) x ceil\(seqlen_q \(129\) / 128\) = 2147581950 "
+                            r"forward tiles; at most 2\^31 - 1") if refused else (LookupError, "reached the op")
+    with pytest.raises(expected[0], match=expected[1]):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("max_seqlen_q, refused", [(32768, False), (32769, True), (10**9, True)])
+def test_varlen_forward_tiles_past_int32_refused_by_name(monkeypatch, max_seqlen_q, refused):
+    """attention_varlen launches every (sequence, head, query block of the longest sequence): 65535 sequences x 128
+    heads pass 2^31 - 1 tiles at 257 blocks of 128 rows (max_seqlen_q 32769) and not at 256. A max_seqlen_q beyond
+    q's rows counts as q's rows (no sequence is longer): 10^9 on 114687 rows refuses as 114687 would."""
+    _reach_op(monkeypatch)
+    total = 114687
+    q = torch.empty(total, 128, 128, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(total, 8, 128, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(65536, device="meta", dtype=torch.int32)
+    if refused:
+        with pytest.raises(ValueError, match=r"^the number of sequences \(65535\) x nheads \(128\) x "
+                                             r"ceil\(max_seqlen_q \((32769|114687)\) / 128\)"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, 80)
+    else:
+        with pytest.raises(LookupError, match="reached the op"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, 80)
