@@ -467,8 +467,9 @@ def _new_part(flops):
 
 
 def _time_all(torch, timer, args, part, make_thunk, in_backend):
-    """Times make_thunk(name)() for every backend without an error yet; fills ms (median), stats (median, p20,
-    p80, min, max in ms), tflops (from the median), ratio."""
+    """Times make_thunk(name)() for every backend without an error yet (with args.settle, each backend is timed once
+    more first and that timing discarded); fills ms (median), stats (median, p20, p80, min, max in ms), tflops (from
+    the median), ratio."""
     for name in args.backends:
         if name in part["errors"]:
             continue
@@ -754,8 +755,9 @@ def time_adjacent(timer, feature_fn, reference_fn, rounds=ADJACENT_ROUNDS, warmu
     timed call of a point otherwise runs on a card cooled by the previous point's lighter work, before the power
     limit lowers the clock, and the side timed first reads fast (H200, session 40: a bf16 call beside a copy of
     itself read 0.91-0.97 of it at head_dim 128). Then `rounds` rounds in the Thue-Morse order (reference, feature;
-    feature, reference; feature, reference; reference, feature; ...): two rounds cancel a steady drift, four also a
-    drift's curvature. Returns (feature ms, reference ms), each the mean of its rounds' medians."""
+    feature, reference; feature, reference; reference, feature; ...): an even count cancels a steady drift, a
+    count of four or eight also its curvature. Returns (feature ms, reference ms), each the mean of its rounds'
+    medians."""
     if warmup:
         timer(reference_fn)
     tf, tr = [], []
@@ -826,7 +828,8 @@ def format_feature_ratios(results):
     lines = ["Features against dense points of this run: at the same head_dim, mask and seqlen; windows also against "
              "dense non-causal at the same keys per row (the measured seqlen nearest a window row's average keys, "
              f"within {EQUAL_WORK_TOLERANCE:.0%}; n/a where none is). \"Timed beside\": ours against dense "
-             f"references of ours timed in turn with the feature point ({ADJACENT_ROUNDS} rounds each), free of the "
+             f"references of ours timed in turn with the feature point (after a discarded warm-up, {ADJACENT_ROUNDS} "
+             "rounds each in the Thue-Morse order), free of the "
              "clock drift between points measured minutes apart: same = the dense point of the same mask and seqlen; "
              "equal work = dense non-causal with the window's average keys per row; causal equal work = dense causal "
              f"with as many keys per row on average (seqlens rounded to a multiple of {ADJACENT_SEQLEN_STEP}, "
@@ -1195,6 +1198,8 @@ def make_config(args):
         )
     }
     cfg["adjacent_rounds"] = ADJACENT_ROUNDS
+    # Records before session 40 timed reference, feature, feature, reference with no warm-up (the first side favoured).
+    cfg["adjacent_order"] = "warm-up, Thue-Morse"
     cfg["check"] = not args.no_check
     cfg["units"] = {
         "tflops": "TFLOP/s (from the median)",

@@ -29,7 +29,7 @@ for step in ${STEPS:-ab tests control}; do
     control)
       cp -f .prebuilt/${CONTROL_BUILD:-H}/_C.abi3.so flash_attn_hopper/_C.abi3.so
       timeout ${CONTROL_TIMEOUT:-150} python3 scripts/fp16_beside.py --control --head-dims ${CONTROL_HD:-64,128} \
-        --seqlens 4096,16384 --rounds ${CONTROL_ROUNDS:-2} --json $OUT/control.json 2>&1 | tee $OUT/control.txt ;;
+        --seqlens 4096,16384 --rounds ${CONTROL_ROUNDS:-4} --json $OUT/control.json 2>&1 | tee $OUT/control.txt ;;
     order)
       cp -f .prebuilt/${ORDER_BUILD:-E1R}/_C.abi3.so flash_attn_hopper/_C.abi3.so
       mkdir -p $OUT/order

@@ -2,8 +2,8 @@
 (torch SDPA's backend). The grid's fp16 and bf16 runs are minutes apart, and under the H200's power limit the SM clock
 drifts between them; here each point's fp16 and bf16 calls alternate (flash_attn_hopper.benchmark.time_adjacent:
 a discarded bf16 warm-up, then bf16, fp16; fp16, bf16; fp16, bf16; bf16, fp16), so both see the same clock and power
-state. Inputs: the benchmark grid's shapes (16384
-tokens, nheads = 2048 / head_dim), random bf16 values, the fp16 copy holding the same values.
+state. Inputs: the benchmark grid's shapes (16384 tokens, nheads = 2048 / head_dim), random bf16 values, the fp16
+copy holding the same values.
 
 usage: python3 scripts/fp16_beside.py [--head-dims 64,128,256] [--seqlens 1024,4096,16384] [--rounds 4] [--json PATH]
                                      [--control] [--no-warmup]
@@ -57,6 +57,8 @@ def main():
     _, timer = make_timer(torch, 25, 100)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    if a.control:
+        print("control: the fp16 columns are a second bf16 copy of the same values")
     print("| head_dim | causal | seqlen | fwd ours fp16/bf16 | fwd cuDNN fp16/bf16 | bwd ours fp16/bf16 | "
           "bwd cuDNN fp16/bf16 | fwd ours bf16 | fwd ours fp16 |")
     print("|---|---|---|---|---|---|---|---|---|")

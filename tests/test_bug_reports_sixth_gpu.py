@@ -582,7 +582,9 @@ def test_document_bounds_served_to_another_stream(fault):
     cache entry and bounds with them) and a allocates blocks of the bounds' size at once: b's kernel must not read a
     recycled block. The blocks stream a hands out are pre-filled with the bounds of one document per row (valid bounds
     of other documents: a stale read gives plain causal attention instead of an error). Both calls' out and LSE by the
-    rule against the reference with the ids' documents."""
+    rule against the reference with the ids' documents. The construction checks (after synchronizing the stream that
+    must finish first) that the other is still busy; it assumes that the library does not order one stream after the
+    other (a fix that did would need this check changed, not the rule)."""
     head_dim = 64
     dtype = built_dtype(head_dim)
     batch, seqlen = 2, 300

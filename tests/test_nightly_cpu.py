@@ -737,3 +737,24 @@ def test_varlen_point_packs_equal_lengths():
     out = nb._ours_call(Fah, q, k, k, True, ours_kw)
     assert out.shape == q.shape and torch.equal(out, q * 2)
     assert calls == [((15, 4, 8), (15, 2, 8), [0, 5, 10, 15], True, 5, 5, True)]
+
+
+def test_time_all_settle_discards_one_timing_per_backend():
+    """--settle: each backend is timed twice in a row and only the second timing is kept."""
+    import types
+
+    medians = iter([9.0, 1.0, 8.0, 2.0])  # ours: 9 discarded, 1 kept; cudnn: 8 discarded, 2 kept
+    calls = []
+
+    def timer(fn):
+        calls.append(fn())
+        return {"median": next(medians)}
+
+    for settle, expect_calls in ((True, ["ours", "ours", "cudnn", "cudnn"]), (False, ["ours", "cudnn"])):
+        calls.clear()
+        medians = iter([9.0, 1.0, 8.0, 2.0] if settle else [1.0, 2.0])
+        part = nb._new_part(1e12)
+        args = types.SimpleNamespace(backends=["ours", "cudnn"], settle=settle)
+        nb._time_all(None, timer, args, part, lambda name: (lambda: name), lambda name, fn: fn())
+        assert calls == expect_calls
+        assert part["ms"] == {"ours": 1.0, "cudnn": 2.0}
