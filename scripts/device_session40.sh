@@ -19,8 +19,10 @@ for step in ${STEPS:-ab tests control}; do
       CASES=${CASES:-"H;V1;E1R"} DIRECTION=fwd ROUNDS=${ROUNDS:-3} TAG=s40 BACKENDS=ours \
         BENCH="--head-dims ${AB_HD:-64,128} --causal both --features dense --seqlens 1024,4096,16384 --no-check --no-adjacent" \
         timeout ${AB_TIMEOUT:-330} bash scripts/device_env_ab.sh
-      python3 scripts/ab_compare.py /tmp/env_ab_s40 H V1 > $OUT/ab_v1.txt 2>&1; cat $OUT/ab_v1.txt
-      python3 scripts/ab_compare.py /tmp/env_ab_s40 H E1R > $OUT/ab_e1r.txt 2>&1; cat $OUT/ab_e1r.txt ;;
+      IFS=';' read -ra C <<< "${CASES:-H;V1;E1R}"
+      for c in "${C[@]:1}"; do  # each case against the first
+        python3 scripts/ab_compare.py /tmp/env_ab_s40 ${C[0]} $c > $OUT/ab_${c,,}.txt 2>&1; cat $OUT/ab_${c,,}.txt
+      done ;;
     tests)
       cp -f .prebuilt/${TEST_BUILD:-H}/_C.abi3.so flash_attn_hopper/_C.abi3.so
       timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider --timeout 150 --timeout-method thread \

@@ -25,8 +25,11 @@ constexpr float kSoftcapFixedMaxLimit = 30.f;
 // most key blocks skip the O rescale.
 constexpr float kRescaleThresholdLog2 = 8.f;
 // P = exp2(fma(s, scale_log2, -M)) with M = round(m * scale_log2) is exp2(s * scale_log2 - M), the exact product: P at
-// a row's maximum is 2^r, r = m * scale_log2 - M up to half an ulp of |M|. Every P of a row shares that factor (the O
-// rescale is taken between maxima, exact when the maximum stays), so the normalisation cancels it while it is small.
+// a row's maximum is 2^r, r = m * scale_log2 - M up to half an ulp of |M|. Every P of a row shares that factor while
+// the maximum stays (the O rescale is then exactly 1), so the normalisation cancels it while it is small. At a move the
+// rescale exp2((m_old - m_new) * scale_log2) is within an ulp of |M| of the factor between the two blocks' P (taking it
+// exactly from the rounded maxima read 1-2 % slower at head_dim 64, H200 session 40; the error is comparable to the
+// float32 reference's own rounding of scores that large).
 // Rows whose |M| reaches this limit (below it |r| < 2^-8) are flagged at the tile's end and recomputed exactly after
 // the kernel (flash/fwd/exact_rows_sm90.hpp): past ~2^31 P overflowed or vanished (NaN or zero rows; bf16 q = k = v =
 // 133120, PyTorch issue 121558) and fp16's P could not hold 2^r from ~2^27.
@@ -40,7 +43,7 @@ inline ScoreScales score_scales(float softmax_scale, float softcap) {
 // Running row max m (of raw scores) and per-thread partial row sum l for the rows a thread holds. With the fixed
 // maximum of the softcap the caller also keeps a rounding sum per row: how much rounding P to bf16 for P V changed l
 // on boundary key blocks (add_rounding).
-// scale_log2 = softmax_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
+// scale_log2 = score_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
 // one FFMA per element. (m stays raw: kept as the rounded scaled value instead, the forward read 1-3 % slower at
 // head_dim 64 on the H200 with no more instructions per block; session 40.)
 // kChains: independent dependency chains per row for the max and sum reductions (FwdKernelTraits::kSoftmaxChains).
@@ -228,11 +231,11 @@ struct OnlineSoftmax {
   }
 
   // Completes the row sums across the quad; returns 1/l per row (0 for a row that saw no key) and writes the
-  // natural-log LSE = m * softmax_scale + log(l) (-inf for such a row). kRounding (the fixed maximum): O's 1/l from
+  // natural-log LSE = m * score_scale + log(l) (-inf for such a row; score_scale: ScoreScales). kRounding (the fixed maximum): O's 1/l from
   // l plus the rounding sum instead (add_rounding); both are 0 exactly when the row saw no key (P >= exp(-2c) is a
   // normal bf16 number).
   template <bool kRounding = false>
-  CUTLASS_DEVICE cute::array<float, kRows> finalize(float softmax_scale, cute::array<float, kRows>& lse,
+  CUTLASS_DEVICE cute::array<float, kRows> finalize(float score_scale, cute::array<float, kRows>& lse,
                                                     float const* rounding = nullptr, int stride = 0) {
     cute::array<float, kRows> inv_sum;
     CUTLASS_PRAGMA_UNROLL
@@ -242,7 +245,7 @@ struct OnlineSoftmax {
       if constexpr (kRounding) { l_o = l + quad_sum(rounding[r * stride]); }
       bool const empty = l == 0.f;  // a NaN sum (NaN input) stays NaN in O and LSE rather than reading as "no key"
       inv_sum[r] = empty ? 0.f : 1.f / l_o;
-      lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(l);
+      lse[r] = empty ? -INFINITY : row_max[r] * score_scale + logf(l);
     }
     return inv_sum;
   }
