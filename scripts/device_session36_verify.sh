@@ -29,7 +29,7 @@ extras() {  # the backward's pre/postprocess share; the forward's fp16 and bf16 
 if [[ ${PART:?PART=a or b} == a && -n ${PREBUILT:-} ]]; then
   # PREBUILT=NAME: the build made on the CPU machine with the device's torch, no device build; then, with AB=1, the
   # forward A/B of F against it (dense, every head dim, both masks, 1024/4096/16384, 2 rounds).
-  unpack $(echo $PREBUILT | tr A-Z a-z); unpack f
+  unpack $(echo $PREBUILT | tr A-Z a-z); if [[ ${AB:-1} == 1 ]]; then unpack f; fi
   rm -f flash_attn_hopper/_C*.so; cp .prebuilt/$PREBUILT/_C.abi3.so flash_attn_hopper/_C.abi3.so
   FINAL=$OUT; export OUT=/tmp/gca; mkdir -p $OUT
   FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/$PREBUILT/build.log PYTEST_ARGS="--timeout 150 --timeout-method thread $(ign $B)" \
