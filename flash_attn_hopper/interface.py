@@ -99,12 +99,13 @@ def _check_tensor_args(q, k, v):
             )
 
 
-def _check_fwd_tiles(batch, nheads, seqlen_q, names):
+def _check_fwd_tiles(batch, nheads, seqlen_q, names, launches=True):
     """The forward numbers its tiles (query row blocks x heads x batch) with int32: refuse a launch past that by name
     (the launcher would fail with a bare "invalid argument"). Reached only by huge grids, e.g. seqlen_q 1 with
-    batch x nheads >= 2^31, or thousands of varlen sequences under a long max_seqlen_q."""
+    batch x nheads >= 2^31, or thousands of varlen sequences under a long max_seqlen_q. seqlen_q: the rows the
+    launcher covers per sequence; launches=False (no keys: the op fills the outputs without a launch) passes."""
     tiles = -(-seqlen_q // _FWD_TILE_ROWS) * nheads * batch
-    if tiles > _INT32_MAX:
+    if launches and tiles > _INT32_MAX:
         raise ValueError(
             f"{names[0]} ({batch}) x {names[1]} ({nheads}) x ceil({names[2]} ({seqlen_q}) / {_FWD_TILE_ROWS}) = "
             f"{tiles} forward tiles; at most 2^31 - 1 are supported: split the call"
@@ -296,7 +297,7 @@ def attention(
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); batch x nheads x
-            ceil(seqlen_q / 128) (the forward's tiles) of 2^31 or more; head_dim or head_dim_v is
+            ceil(seqlen_q / 128) (the forward's tiles) of 2^31 or more while seqlen_k > 0; head_dim or head_dim_v is
             not a multiple of 8 in [8, 256] (or the forward or backward kernel size of the larger is not in this build);
             the last dimension's stride is not 1; a tensor is not on a CUDA device, the tensors are on different
             devices, or the GPU is not sm90;
@@ -340,7 +341,7 @@ def _check_call(q, k, v, softmax_scale, causal, window_size, softcap, determinis
     """Every check of ``attention``'s arguments; returns the op's scalar arguments (softmax_scale, causal, window_left,
     window_right, softcap, deterministic)."""
     _check_tensor_args(q, k, v)
-    _check_fwd_tiles(q.shape[0], q.shape[2], q.shape[1], ("batch", "nheads", "seqlen_q"))
+    _check_fwd_tiles(q.shape[0], q.shape[2], q.shape[1], ("batch", "nheads", "seqlen_q"), launches=k.shape[1] > 0)
     softmax_scale = _check_scale(softmax_scale, q.shape[-1])
     causal = _check_causal(causal)
     window_left, window_right = _check_window(window_size, causal)
@@ -581,7 +582,8 @@ def attention_varlen(
         ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D,
             not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
             below the longest sequence, negative, or 2^31 or more; more than 65535 sequences; sequences x nheads x
-            ceil(min(max_seqlen_q, total_q) / 128) (the forward's tiles) of 2^31 or more.
+            ceil(min(max_seqlen_q, cu_seqlens_q[-1]) / 128) (the forward's tiles; under torch.compile or a CUDA graph
+            capture q's rows instead of cu_seqlens_q[-1]) of 2^31 or more while there are keys.
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
@@ -621,9 +623,6 @@ def attention_varlen(
         )
     if cu_seqlens_q.numel() - 1 > _MAX_GRID_YZ:
         raise ValueError(f"at most {_MAX_GRID_YZ} sequences are supported, got {cu_seqlens_q.numel() - 1}")
-    # The launch covers the longest sequence in every one (no sequence is longer than q's rows).
-    _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
-                     ("the number of sequences", "nheads", "max_seqlen_q"))
     _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
     _ops.require_extension()
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
@@ -635,7 +634,11 @@ def attention_varlen(
     if not compiling:
         _check_sm90("q", q.device)
         _check_compiled(q.shape[-1], q.dtype, v.shape[-1])
+    # The launch covers the longest sequence in every one, which the op clamps to q's rows (as given to it).
+    tile_names = ("the number of sequences", "nheads")
     if compiling or _capturing(q.device):
+        _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
+                         tile_names + ("min(max_seqlen_q, q's rows)",), launches=k.shape[0] > 0 and max_seqlen_k > 0)
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
     last = {}
@@ -654,6 +657,8 @@ def attention_varlen(
     tail_q = q.shape[0] - last_q
     if tail_q or last_k < k.shape[0]:
         q, k, v = q[:last_q], k[:last_k], v[:last_k]
+    _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, last_q),
+                     tile_names + ("min(max_seqlen_q, cu_seqlens_q[-1])",), launches=last_k > 0 and max_seqlen_k > 0)
     out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
     if tail_q:  # those rows: output 0, LSE -inf (and zero gradients through the padding)
         out = torch.nn.functional.pad(out, (0, 0, 0, 0, 0, tail_q))

@@ -23,9 +23,10 @@ The report each test comes from is cited by URL in the comment above it (see als
 shapes and conditions of the reports are taken over, the code is this project's own.
 
 Every numeric result is checked by the rule of DESIGN.md §3 (``assert_close_by_rule`` against the float32 reference,
-the error of the same reference run in the input dtype as the yardstick); outputs come from NaN-poisoned memory where
-the helpers allow it. A refusal is accepted only as a TypeError / ValueError / NotImplementedError (or, for the
-transforms, torch's own RuntimeError) that says what is refused, never as the library's launch error. Skipped, with
+the error of the same reference run in the input dtype as the yardstick); the tile-count, packed-view and 2^31-byte
+tests draw their outputs from NaN-poisoned memory (poison_allocator), the transform and batched-gradient tests do not.
+A refusal is accepted only as a TypeError / ValueError / NotImplementedError (or, for the transforms, torch's own
+RuntimeError) that says what is refused, never as the library's launch error. Skipped, with
 the reason, without an sm90 GPU and the built extension (conftest.py), and per test when the build lacks a head_dim /
 dtype (``built_dtype``)."""
 
@@ -162,7 +163,8 @@ def test_varlen_launch_with_more_tiles_than_int32():
     csrc/flash/fwd/launch_fwd_sm90.hpp returns cudaErrorInvalidValue for more than INT32_MAX tiles, which
     csrc/api/flash_api.cpp raised as "flash_attn_hopper forward launch failed: invalid argument", the Python layer
     checking each size but not their product; since session 40 the Python layer refuses such calls by name
-    (interface._check_fwd_tiles; CPU tests in tests/test_validation_cpu.py). About 25 GiB."""
+    (interface._check_fwd_tiles; CPU tests in tests/test_validation_cpu.py): the refusal needs ~4 GiB for the
+    inputs, a run would need ~25 GiB (the free-memory guard asks for that with room to spare)."""
     _releasing_memory(_varlen_tiles_beyond_int32)
 
 

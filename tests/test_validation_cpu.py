@@ -783,8 +783,10 @@ def test_good_document_ids_pass_their_checks(dtype):
 # ------------------------------------------------------------------------------------------------ forward tile count
 
 
-def _reach_op(monkeypatch):
-    """Device and extension checks pass; reaching the op raises LookupError (every argument check passed)."""
+def _reach_op(monkeypatch, capturing=True, last=None):
+    """Device and extension checks pass; reaching the op raises LookupError (every argument check passed).
+    capturing: attention_varlen's compile / capture branch (no host read of cu_seqlens); else its eager branch with
+    cu_seqlens summarised as `last` = {"cu_seqlens_q": last row, "cu_seqlens_k": last row} (each its longest too)."""
     import types
 
     monkeypatch.setattr(interface, "_check_devices", lambda named: None)
@@ -792,7 +794,9 @@ def _reach_op(monkeypatch):
     monkeypatch.setattr(interface, "_check_compiled", lambda *a: None)
     monkeypatch.setattr(interface._ops, "require_extension", lambda: None)
     monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
-    monkeypatch.setattr(interface, "_capturing", lambda device: True)  # no host read of cu_seqlens
+    monkeypatch.setattr(interface, "_capturing", lambda device: capturing)
+    if last is not None:
+        monkeypatch.setattr(interface, "_cu_seqlens_summary", lambda name, cu: (0, last[name], min(last[name], 80)))
 
     def op(*args):
         raise LookupError("reached the op")
@@ -801,35 +805,60 @@ def _reach_op(monkeypatch):
         monkeypatch.setattr(torch.ops.flash_attn_hopper, name, types.SimpleNamespace(default=op), raising=False)
 
 
-@pytest.mark.parametrize("seqlen_q, refused", [(128, False), (129, True)])
-def test_dense_forward_tiles_past_int32_refused_by_name(monkeypatch, seqlen_q, refused):
+@pytest.mark.parametrize("batch, nheads, seqlen_q, seqlen_k, refused", [
+    (65535, 16385, 128, 16, False), (65535, 16385, 129, 16, True),  # 1 073 790 975 / 2 147 581 950 tiles
+    (32768, 32768, 128, 16, False), (32768, 32768, 129, 16, True),  # 2^30 / exactly 2^31 tiles
+    (32768, 32768, 129, 0, False),  # no keys: the op fills the outputs without a launch
+])
+def test_dense_forward_tiles_past_int32_refused_by_name(monkeypatch, batch, nheads, seqlen_q, seqlen_k, refused):
     """The forward numbers its tiles (query blocks x heads x batch) in int32; the launcher refused more with a bare
-    "invalid argument" RuntimeError (seventh round, class BD). Dense: 65535 batch x 16385 heads is just past 2^31 - 1
-    tiles at two query blocks; one block fits. Meta tensors: nothing is allocated."""
+    "invalid argument" RuntimeError (seventh round, class BD). Meta tensors: nothing is allocated."""
     _reach_op(monkeypatch)
-    batch, nheads = 65535, 16385
     q = torch.empty(batch, seqlen_q, nheads, 8, device="meta", dtype=torch.bfloat16)
-    k = v = torch.empty(batch, 16, 1, 8, device="meta", dtype=torch.bfloat16)
-    expected = (ValueError, r"^batch \(65535\) x nheads \(16385\) x ceil\(seqlen_q \(129\) / 128\) = 2147581950 "
-                            r"forward tiles; at most 2\^31 - 1") if refused else (LookupError, "reached the op")
-    with pytest.raises(expected[0], match=expected[1]):
-        attention(q, k, v)
+    k = v = torch.empty(batch, seqlen_k, 1, 8, device="meta", dtype=torch.bfloat16)
+    if refused:
+        tiles = 2 * batch * nheads
+        with pytest.raises(ValueError, match=rf"^batch \({batch}\) x nheads \({nheads}\) x "
+                                             rf"ceil\(seqlen_q \(129\) / 128\) = {tiles} forward tiles; at most 2\^31 - 1"):
+            attention(q, k, v)
+    else:
+        with pytest.raises(LookupError, match="reached the op"):
+            attention(q, k, v)
 
 
-@pytest.mark.parametrize("max_seqlen_q, refused", [(32768, False), (32769, True), (10**9, True)])
-def test_varlen_forward_tiles_past_int32_refused_by_name(monkeypatch, max_seqlen_q, refused):
+@pytest.mark.parametrize("max_seqlen_q, max_seqlen_k, refused", [
+    (32768, 80, False), (32769, 80, True), (10**9, 80, True), (10**9, 0, False)])
+def test_varlen_forward_tiles_past_int32_refused_by_name_compiling(monkeypatch, max_seqlen_q, max_seqlen_k, refused):
     """attention_varlen launches every (sequence, head, query block of the longest sequence): 65535 sequences x 128
-    heads pass 2^31 - 1 tiles at 257 blocks of 128 rows (max_seqlen_q 32769) and not at 256. A max_seqlen_q beyond
-    q's rows counts as q's rows (no sequence is longer): 10^9 on 114687 rows refuses as 114687 would."""
-    _reach_op(monkeypatch)
-    total = 114687
-    q = torch.empty(total, 128, 128, device="meta", dtype=torch.bfloat16)
-    k = v = torch.empty(total, 8, 128, device="meta", dtype=torch.bfloat16)
+    heads pass 2^31 - 1 tiles at 257 blocks of 128 rows and not at 256. Under torch.compile or a graph capture the op
+    gets q whole and clamps max_seqlen_q to its rows: 10^9 on 114687 rows refuses as 114687 would; without keys
+    (max_seqlen_k 0) there is no launch to refuse."""
+    _reach_op(monkeypatch, capturing=True)
+    q = torch.empty(114687, 128, 128, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(114687, 8, 128, device="meta", dtype=torch.bfloat16)
     cu = torch.empty(65536, device="meta", dtype=torch.int32)
     if refused:
         with pytest.raises(ValueError, match=r"^the number of sequences \(65535\) x nheads \(128\) x "
-                                             r"ceil\(max_seqlen_q \((32769|114687)\) / 128\)"):
-            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, 80)
+                                             r"ceil\(min\(max_seqlen_q, q's rows\) \((32769|114687)\) / 128\)"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, max_seqlen_k)
     else:
         with pytest.raises(LookupError, match="reached the op"):
-            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, 80)
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, max_seqlen_k)
+
+
+@pytest.mark.parametrize("last_q, last_k, refused", [(32768, 200, False), (32769, 200, True), (32769, 0, False)])
+def test_varlen_forward_tiles_past_int32_refused_by_name_eager(monkeypatch, last_q, last_k, refused):
+    """The eager call cuts q to cu_seqlens_q[-1] rows (and k to cu_seqlens_k[-1]) before the op, which clamps
+    max_seqlen_q to those rows: a max_seqlen_q of 10^9 over 114687 rows of q, of which the sequences use 32768, launches
+    256 query blocks per sequence and head (accepted), 32769 rows 257 (refused); no key rows: no launch."""
+    _reach_op(monkeypatch, capturing=False, last={"cu_seqlens_q": last_q, "cu_seqlens_k": last_k})
+    q = torch.empty(114687, 128, 128, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(114687, 8, 128, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(65536, device="meta", dtype=torch.int32)
+    if refused:
+        with pytest.raises(ValueError, match=r"^the number of sequences \(65535\) x nheads \(128\) x "
+                                             r"ceil\(min\(max_seqlen_q, cu_seqlens_q\[-1\]\) \(32769\) / 128\)"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, 10**9, 80)
+    else:
+        with pytest.raises(LookupError, match="reached the op"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, 10**9, 80)
