@@ -754,9 +754,9 @@ def time_adjacent(timer, feature_fn, reference_fn, rounds=ADJACENT_ROUNDS, warmu
     points measured far apart). With `warmup`, one timing of the reference is made first and discarded: the first
     timed call of a point otherwise runs on a card cooled by the previous point's lighter work, before the power
     limit lowers the clock, and the side timed first reads fast (H200, session 40: a bf16 call beside a copy of
-    itself read 0.91-0.95 of it at head_dim 128, forward). Then `rounds` rounds in the Thue-Morse order (reference, feature;
-    feature, reference; feature, reference; reference, feature; ...): an even count cancels a steady drift, a
-    count of four or eight also its curvature. Returns (feature ms, reference ms), each the mean of its rounds'
+    itself read 0.91-0.95 of it at head_dim 128, forward). Then `rounds` rounds in the Thue-Morse order (reference,
+    feature; feature, reference; feature, reference; reference, feature; ...): an even count cancels a steady drift,
+    a count of four or eight also its curvature. Returns (feature ms, reference ms), each the mean of its rounds'
     medians."""
     if warmup:
         timer(reference_fn)
