@@ -693,11 +693,10 @@ def test_checked_call_cache_never_skips_a_check(monkeypatch):
     assert len(interface._CHECKED_CALLS) == 1
 
 
-def test_torch_deterministic_mode_reaches_the_op_per_call(monkeypatch):
-    """torch.use_deterministic_algorithms(True) turns on the deterministic backward of attention and attention_varlen
-    (the op's last scalar argument), call by call: the checked-call cache must not keep the mode of the call that
-    filled it, and an explicit deterministic=True stays on outside the mode. Meta tensors stand in for CUDA ones; the
-    device checks, the extension check and the ops are replaced (the op records its deterministic argument)."""
+def _host_checks_only(monkeypatch, op, capturing, summary=None):
+    """Device and extension checks pass, the checked-call cache starts empty, attention's and attention_varlen's ops
+    are `op`; capturing picks attention_varlen's compile / capture branch (True) or its eager one, whose host summary
+    of cu_seqlens becomes `summary(name, cu)` when given."""
     import types
 
     monkeypatch.setattr(interface, "_check_devices", lambda named: None)
@@ -705,16 +704,25 @@ def test_torch_deterministic_mode_reaches_the_op_per_call(monkeypatch):
     monkeypatch.setattr(interface, "_check_compiled", lambda *a: None)
     monkeypatch.setattr(interface._ops, "require_extension", lambda: None)
     monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
-    monkeypatch.setattr(interface, "_capturing", lambda device: False)
-    monkeypatch.setattr(interface, "_cu_seqlens_summary", lambda name, cu: (0, 33, 33))
+    monkeypatch.setattr(interface, "_capturing", lambda device: capturing)
+    if summary is not None:
+        monkeypatch.setattr(interface, "_cu_seqlens_summary", summary)
+    for name in ("fwd", "fwd_varlen"):
+        monkeypatch.setattr(torch.ops.flash_attn_hopper, name, types.SimpleNamespace(default=op), raising=False)
+
+
+def test_torch_deterministic_mode_reaches_the_op_per_call(monkeypatch):
+    """torch.use_deterministic_algorithms(True) turns on the deterministic backward of attention and attention_varlen
+    (the op's last scalar argument), call by call: the checked-call cache must not keep the mode of the call that
+    filled it, and an explicit deterministic=True stays on outside the mode. Meta tensors stand in for CUDA ones; the
+    device checks, the extension check and the ops are replaced (the op records its deterministic argument)."""
     seen = []
 
     def op(q, k, v, *args):
         seen.append(args[-2] if isinstance(args[-1], (torch.Tensor, type(None))) else args[-1])
         return q, torch.empty(0)
 
-    monkeypatch.setattr(torch.ops.flash_attn_hopper, "fwd", types.SimpleNamespace(default=op), raising=False)
-    monkeypatch.setattr(torch.ops.flash_attn_hopper, "fwd_varlen", types.SimpleNamespace(default=op), raising=False)
+    _host_checks_only(monkeypatch, op, capturing=False, summary=lambda name, cu: (0, 33, 33))
     q, k, v = (torch.empty(1, 33, 4, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, 33], dtype=torch.int32).to("meta")
     calls = [
@@ -787,22 +795,11 @@ def _reach_op(monkeypatch, capturing=True, last=None):
     """Device and extension checks pass; reaching the op raises LookupError (every argument check passed).
     capturing: attention_varlen's compile / capture branch (no host read of cu_seqlens); else its eager branch with
     cu_seqlens summarised as `last` = {"cu_seqlens_q": last row, "cu_seqlens_k": last row} (each its longest too)."""
-    import types
-
-    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
-    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
-    monkeypatch.setattr(interface, "_check_compiled", lambda *a: None)
-    monkeypatch.setattr(interface._ops, "require_extension", lambda: None)
-    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
-    monkeypatch.setattr(interface, "_capturing", lambda device: capturing)
-    if last is not None:
-        monkeypatch.setattr(interface, "_cu_seqlens_summary", lambda name, cu: (0, last[name], min(last[name], 80)))
-
     def op(*args):
         raise LookupError("reached the op")
 
-    for name in ("fwd", "fwd_varlen"):
-        monkeypatch.setattr(torch.ops.flash_attn_hopper, name, types.SimpleNamespace(default=op), raising=False)
+    summary = None if last is None else (lambda name, cu: (0, last[name], min(last[name], 80)))
+    _host_checks_only(monkeypatch, op, capturing, summary)
 
 
 @pytest.mark.parametrize("batch, nheads, seqlen_q, seqlen_k, refused", [
@@ -826,6 +823,21 @@ def test_dense_forward_tiles_past_int32_refused_by_name(monkeypatch, batch, nhea
             attention(q, k, v)
 
 
+def _check_varlen_tiles(refused, clamped, max_seqlen_q, max_seqlen_k):
+    """attention_varlen over 65535 sequences x 128 heads on 114687 rows of q (meta tensors): refused naming the clamp
+    `clamped` (a regex of its label and value), or reaching the op."""
+    q = torch.empty(114687, 128, 128, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(114687, 8, 128, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(65536, device="meta", dtype=torch.int32)
+    if refused:
+        with pytest.raises(ValueError, match=r"^the number of sequences \(65535\) x nheads \(128\) x "
+                                             rf"ceil\({clamped} / 128\)"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, max_seqlen_k)
+    else:
+        with pytest.raises(LookupError, match="reached the op"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, max_seqlen_k)
+
+
 @pytest.mark.parametrize("max_seqlen_q, max_seqlen_k, refused", [
     (32768, 80, False), (32769, 80, True), (10**9, 80, True), (10**9, 0, False)])
 def test_varlen_forward_tiles_past_int32_refused_by_name_compiling(monkeypatch, max_seqlen_q, max_seqlen_k, refused):
@@ -834,16 +846,7 @@ def test_varlen_forward_tiles_past_int32_refused_by_name_compiling(monkeypatch, 
     gets q whole and clamps max_seqlen_q to its rows: 10^9 on 114687 rows refuses as 114687 would; without keys
     (max_seqlen_k 0) there is no launch to refuse."""
     _reach_op(monkeypatch, capturing=True)
-    q = torch.empty(114687, 128, 128, device="meta", dtype=torch.bfloat16)
-    k = v = torch.empty(114687, 8, 128, device="meta", dtype=torch.bfloat16)
-    cu = torch.empty(65536, device="meta", dtype=torch.int32)
-    if refused:
-        with pytest.raises(ValueError, match=r"^the number of sequences \(65535\) x nheads \(128\) x "
-                                             r"ceil\(min\(max_seqlen_q, q's rows\) \((32769|114687)\) / 128\)"):
-            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, max_seqlen_k)
-    else:
-        with pytest.raises(LookupError, match="reached the op"):
-            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, max_seqlen_q, max_seqlen_k)
+    _check_varlen_tiles(refused, r"min\(max_seqlen_q, q's rows\) \((32769|114687)\)", max_seqlen_q, max_seqlen_k)
 
 
 @pytest.mark.parametrize("last_q, last_k, refused", [(32768, 200, False), (32769, 200, True), (32769, 0, False)])
@@ -852,13 +855,4 @@ def test_varlen_forward_tiles_past_int32_refused_by_name_eager(monkeypatch, last
     max_seqlen_q to those rows: a max_seqlen_q of 10^9 over 114687 rows of q, of which the sequences use 32768, launches
     256 query blocks per sequence and head (accepted), 32769 rows 257 (refused); no key rows: no launch."""
     _reach_op(monkeypatch, capturing=False, last={"cu_seqlens_q": last_q, "cu_seqlens_k": last_k})
-    q = torch.empty(114687, 128, 128, device="meta", dtype=torch.bfloat16)
-    k = v = torch.empty(114687, 8, 128, device="meta", dtype=torch.bfloat16)
-    cu = torch.empty(65536, device="meta", dtype=torch.int32)
-    if refused:
-        with pytest.raises(ValueError, match=r"^the number of sequences \(65535\) x nheads \(128\) x "
-                                             r"ceil\(min\(max_seqlen_q, cu_seqlens_q\[-1\]\) \(32769\) / 128\)"):
-            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, 10**9, 80)
-    else:
-        with pytest.raises(LookupError, match="reached the op"):
-            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, 10**9, 80)
+    _check_varlen_tiles(refused, r"min\(max_seqlen_q, cu_seqlens_q\[-1\]\) \(32769\)", 10**9, 80)
