@@ -449,6 +449,55 @@ def test_gqa_group_per_cta_large_grid(head_dim, causal, monkeypatch):
         assert torch.equal(g, f), f"{gname}: the launcher did not run one CTA per K/V head group at this shape"
 
 
+def _bwd_peak(q, k, v, dout, **kwargs):
+    """Peak bytes allocated during the backward alone (beyond what the forward left allocated)."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = attention(*leaves, **kwargs)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = torch.autograd.grad(out, leaves, dout)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, grads
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_gqa_group_rule_below_two_waves(head_dim, mask, monkeypatch):
+    """Between one and two waves of CTAs (12 query heads on 4 K/V heads, 1100 tokens: 9 key blocks, or 18 at head_dim
+    256, x 4 x batch CTAs, batch = ceil(SMs / (blocks x 4))), the launcher's pick depends on the mask
+    (flash/config.hpp bwd_heads_per_cta): one CTA per K/V head group without a mask at head_dim <= 128, fp32 sums
+    with a causal mask, a window, or at head_dim 256. Read from the backward's peak memory against the group mode
+    forced: the sums take two zeroed fp32 buffers of k's size that the group mode does not. The gradients follow the rule either way."""
+    monkeypatch.delenv("FAH_BWD_GQA_GROUP_CTA", raising=False)
+    dtype = _built_dtype(head_dim)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seqlen, nheads, nheads_k = 1100, 12, 4
+    blocks = -(-seqlen // (128 if head_dim <= 128 else 64))
+    batch = -(-sms // (blocks * nheads_k))
+    ctas = blocks * nheads_k * batch
+    assert sms <= ctas < 1.9 * sms, (sms, ctas)
+    kwargs = {"none": {}, "causal": {"causal": True}, "window": {"window_size": (300, 40)}}[mask]
+    q = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    k, v = (_randn(batch, seqlen, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    peak, grads = _bwd_peak(q, k, v, dout, **kwargs)
+    monkeypatch.setenv("FAH_BWD_GQA_GROUP_CTA", "1")
+    group_peak, _ = _bwd_peak(q, k, v, dout, **kwargs)
+    sums_bytes = 2 * k.numel() * 4
+    # The two modes' peaks fall at different points of the backward, so their difference is near, not exactly, the
+    # sums' size (0.92 of it under a causal mask): half of it separates the modes.
+    if mask == "none" and head_dim <= 128:
+        assert peak - group_peak < sums_bytes / 2, f"{ctas} CTAs on {sms} SMs, no mask: expected the group CTAs"
+    else:
+        assert peak - group_peak > sums_bytes / 2, f"{ctas} CTAs on {sms} SMs, {mask}: expected the fp32 sums"
+    ref = attention_ref_grads(q, k, v, dout, upcast=True, **kwargs)
+    naive = attention_ref_grads(q, k, v, dout, upcast=False, **kwargs)
+    for gname, g, r, n in zip(GRAD_NAMES, grads, ref, naive):
+        assert torch.isfinite(n).all(), f"gqa rule {mask} {gname}: the naive reference is not finite"
+        assert_close_by_rule(g, r, n, f"gqa rule {mask} {gname}")
+
+
 @pytest.mark.parametrize("layout", ["packed_kv", "transposed"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_gqa_strided_kv(head_dim, layout):

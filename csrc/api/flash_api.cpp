@@ -25,6 +25,8 @@
 #include <torch/library.h>
 
 #include "api/varlen_rows.hpp"
+#include "flash/common/block_range.hpp"
+#include "flash/common/tile_order.hpp"
 #include "flash/config.hpp"
 #include "flash/fwd/tile_choice.hpp"
 #include "flash/dispatch.hpp"
@@ -496,8 +498,15 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   at::Tensor dpsum = at::empty({ws_outer, rows}, f32);
   // GQA/MQA: one CTA runs a whole group's query heads over its K/V tile where that grid fills the GPU (dK/dV written
   // directly); else the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
+  int kernel_left, kernel_right;
+  flash::kernel_window(opts.window_left, opts.window_right, seqlen_q, seqlen_k, kernel_left, kernel_right);
+  bool const unmasked = opts.window_left < 0 && opts.window_right < 0 && docs.bounds == nullptr;
+  flash::BwdMask const mask = unmasked ? flash::BwdMask::kNone
+                              : docs.bounds == nullptr && flash::causal_like(kernel_left, kernel_right, seqlen_q, seqlen_k)
+                                  ? flash::BwdMask::kCausalLike
+                                  : flash::BwdMask::kOther;
   int const heads_per_cta = flash::bwd_heads_per_cta(std::max(head_dim, head_dim_v), seqlen_k, batch, nheads, nheads_k,
-                                                     num_sms(q));
+                                                     num_sms(q), mask);
   bool const sums = nheads_k != nheads && heads_per_cta == 1;
   at::Tensor dk_accum, dv_accum;
   if (sums) {

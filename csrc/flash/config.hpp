@@ -181,16 +181,26 @@ struct BwdTileConfig {
 // kernels), when the grid so formed still fills the GPU twice over; else one CTA per (key block, query head), summing
 // in fp32. H200, 2026-12-01 (session 16 run 1, NOTES.md), bf16 head_dim 128, 16 heads on 4, 16k tokens, TFLOP/s sums /
 // group: seqlen 1024 400-401 / 476-481, causal 278-279 / 321-322; 4096 533 / 558-562, causal 465 / 454-458.
+// Below two waves the rule depends on the mask (H200, 2026-12-03/04, sessions 36 and 40, 16 query heads on 2 or 1,
+// 16k tokens, bf16 TFLOP/s group / sums): with no mask the group won at 128 and 256 CTAs at head_dim 64 and 128
+// (+3-17 %); under a causal-like mask (group CTAs in one longest-first order) it won at 256 CTAs at head_dim 64 only
+// (+15 % at 2048, +1-5 % at 4096-8192), lost at 256 CTAs at head_dim 128 (0.87-0.95) and at 128 CTAs everywhere
+// (0.58-0.73). So: no mask and head_dim <= 128 from 0.9 x SMs; causal-like at head_dim 64 from 1.9 x SMs; else 2 x SMs.
 // Returns the query heads per CTA (1 or the group size). FAH_BWD_GQA_GROUP_CTA=1 or 0 forces either
 // (tests/test_bwd_gqa_group_gpu.py runs the GQA tests under both).
-inline int bwd_heads_per_cta(int head_dim, int seqlen_k, int batch, int nheads, int nheads_k, int num_sms) {
+enum class BwdMask { kNone, kCausalLike, kOther };
+inline int bwd_heads_per_cta(int head_dim, int seqlen_k, int batch, int nheads, int nheads_k, int num_sms,
+                             BwdMask mask) {
   if (nheads_k <= 0 || nheads == nheads_k || nheads % nheads_k != 0) { return 1; }
   if (char const* v = std::getenv("FAH_BWD_GQA_GROUP_CTA"); v != nullptr && (v[0] == '0' || v[0] == '1')) {
     return v[0] == '1' ? nheads / nheads_k : 1;
   }
   int const block_n = head_dim <= 128 ? BwdTileConfig<128>::kBlockN : BwdTileConfig<256>::kBlockN;
   int64_t const ctas = int64_t((seqlen_k + block_n - 1) / block_n) * nheads_k * batch;
-  return ctas >= 2 * int64_t(num_sms) ? nheads / nheads_k : 1;
+  int const tenths = mask == BwdMask::kNone && head_dim <= 128        ? 9
+                     : mask == BwdMask::kCausalLike && head_dim <= 64 ? 19
+                                                                       : 20;
+  return 10 * ctas >= int64_t(tenths) * num_sms ? nheads / nheads_k : 1;
 }
 
 // Deterministic mode: copies of the dQ accumulator (BwdParams::dq_lanes). Where every key block sees every query
