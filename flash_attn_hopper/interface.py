@@ -317,7 +317,7 @@ def attention(
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     return_lse = _check_bool("return_lse", return_lse)  # outside the checked-call cache, whose key does not hold it
-    compiling = torch.compiler.is_compiling()
+    compiling = _graph_tracing()
     key = None if compiling else _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                                                  document_ids)
     args = _CHECKED_CALLS.get(key) if key is not None else None
@@ -335,6 +335,15 @@ def attention(
     # torch.compile, and in eager mode no Python between the forward and the backward kernels.
     out, lse = torch.ops.flash_attn_hopper.fwd.default(q, k, v, *args, doc_bounds)
     return (out, lse) if return_lse else out
+
+
+def _graph_tracing():
+    """Whether this call is being recorded into a graph that later runs on other values: torch.compile / torch.export
+    (dynamo) or torch.jit.trace. Such a call reads no tensor values on the host and serves no per-tensor cached result
+    (either would become a constant of the graph: a torch.jit.trace of attention_varlen kept the trace-time cut at
+    cu_seqlens_q[-1], and one of attention the document bounds cached by a call before it), and it leaves the build
+    and device queries to the op (the extension's build_config op returns a str, which torch.jit.trace cannot record)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def _check_call(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, compiling, document_ids=None):
@@ -438,8 +447,9 @@ def _capturing(device):
 
 
 def _document_bounds(document_ids, compiling):
-    # Under torch.compile, and inside a CUDA graph capture (so that a replay recomputes them from the ids it finds),
-    # the bounds are computed every call instead of coming from the cache.
+    # Under torch.compile and torch.jit.trace (compiling: _graph_tracing()), and inside a CUDA graph capture (so that a
+    # replay recomputes them from the ids it finds), the bounds are computed every call instead of coming from the
+    # cache.
     if compiling or (document_ids.is_cuda and _capturing(document_ids.device)):
         return document_bounds(document_ids)
     bounds = _DOCUMENT_BOUNDS.get(document_ids, document_ids.device)
@@ -587,8 +597,9 @@ def attention_varlen(
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
-    the layers of a model step reuse the check); under torch.compile and inside a CUDA graph capture (where a replay
-    reads the boundaries it finds on the device) that check is skipped and the values are trusted, and rows past the
+    the layers of a model step reuse the check); under torch.compile, torch.jit.trace and inside a CUDA graph capture
+    (where a replay reads the boundaries it finds on the device) that check is skipped and the values are trusted
+    (max_seqlen_q/k, Python ints, are constants of such a graph: trace with upper bounds), and rows past the
     last sequence must then hold finite values (a last partial tile loads them). In every mode the
     tokens of one sequence must be finite for its neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
@@ -627,10 +638,11 @@ def attention_varlen(
     _ops.require_extension()
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
             softcap, deterministic)
-    # Under torch.compile and inside a CUDA graph capture, cu_seqlens are not read on the host (a capture forbids the
-    # copy; a replay must follow the values it finds): the kernels take every row, read the boundaries on the device
-    # and write the rows outside the sequences themselves. The values are then the caller's to get right.
-    compiling = torch.compiler.is_compiling()
+    # Under torch.compile, torch.jit.trace and inside a CUDA graph capture, cu_seqlens are not read on the host (a
+    # capture forbids the copy; a replay must follow the values it finds): the kernels take every row, read the
+    # boundaries on the device and write the rows outside the sequences themselves. The values are then the caller's
+    # to get right.
+    compiling = _graph_tracing()
     if not compiling:
         _check_sm90("q", q.device)
         _check_compiled(q.shape[-1], q.dtype, v.shape[-1])

@@ -237,6 +237,9 @@ def _unpadding(attention_mask, q_length):
         # (a cached result would replay the warm-up's padding whatever mask the graph is later given)
         raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be used inside a CUDA graph capture: its "
                            "sequence lengths are read on the host; pack the batch (position_ids) instead")
+    if torch.jit.is_tracing():  # the same: the trace would keep the trace-time lengths as constants
+        raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be traced by torch.jit.trace: its "
+                           "sequence lengths are read on the host; pack the batch (position_ids) instead")
     cached = _UNPADDING.get(attention_mask, attention_mask.device)
     if cached is not _ValueNotes.MISSING and cached[0] == q_length:
         return cached[1]
@@ -298,9 +301,9 @@ def _documents(position_ids, query, key):
     batch, seqlen = query.shape[0], query.shape[2]
     if key.shape[2] != seqlen or position_ids.shape[1] != seqlen or position_ids.shape[0] not in (1, batch):
         return None
-    # Under torch.compile and inside a CUDA graph capture (a replay must derive them from the ids it finds) the ids are
-    # computed every call.
-    compiling = torch.compiler.is_compiling() or (query.is_cuda and _capturing(query.device))
+    # Under torch.compile, torch.jit.trace and inside a CUDA graph capture (a replay must derive them from the ids it
+    # finds) the ids are computed every call.
+    compiling = _interface._graph_tracing() or (query.is_cuda and _capturing(query.device))
     if not compiling:
         cached = _DOCUMENTS.get(position_ids, query.device)
         if cached is not _ValueNotes.MISSING and cached[0] == batch:

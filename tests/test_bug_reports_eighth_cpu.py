@@ -1,0 +1,180 @@
+"""The CPU part of the eighth round of bug-report tests (class BJ of tests/bug_report_sources.md; the GPU test is
+tests/test_bug_reports_eighth_gpu.py::test_jit_trace_replays_with_new_lengths_and_documents): torch.jit.trace records
+the ops a function runs and turns every Python value it computed on the way into a constant of the trace. Reports:
+https://github.com/Dao-AILab/flash-attention/issues/701 (max_seqlen converted to a Python scalar: "an incorrect trace in
+torch.jit.trace"), https://github.com/facebookresearch/xformers/issues/406 (torch.jit.trace broke on an attention
+op's "unsupported output type: int"), https://github.com/pytorch/pytorch/issues/115262 (SDPA effectively untraceable
+with is_causal decided from a shape).
+
+What this library did under torch.jit.trace before the fix (all three found here, on the CPU):
+
+- the first call of the process inside a trace raised ``RuntimeError: unsupported output type: str, from operator:
+  flash_attn_hopper::build_config`` (the build query, an op returning a str, was recorded; later calls hit its cache);
+- attention_varlen cut q, k, v at the trace-time ``cu_seqlens[-1]`` (a host read) and padded the rest back: the trace
+  kept both as constants, so a replay whose sequences reach further handed the kernels fewer rows than cu_seqlens
+  name (on a GPU: reads and writes past the tensors);
+- attention with document_ids served the bounds cached by an earlier call on the same tensor: the trace kept them
+  as a constant, and replays with other ids silently used the old documents (as did the transformers integration's
+  document ids from position_ids).
+
+No GPU is needed: the device checks are replaced by no-ops and the ops get CPU kernels for the test (the float32
+references of flash_attn_hopper.testing, rounded to the input dtype), so what is checked is what the Python layer hands
+the op under the trace. Each replay must equal the stand-in run directly on the replay's inputs, bit for bit."""
+
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from flash_attn_hopper import _ops, attention, attention_varlen, interface
+from flash_attn_hopper.testing import attention_ref, attention_varlen_ref
+
+pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:.*torch.jit.trace.*deprecated")
+requires_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install transformers): integration not tested",
+)
+
+
+def _fwd_stand_in(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None):
+    # doc_bounds[..., 0] (each position's document start) is a valid document_ids tensor of the same documents
+    ids = None if doc_bounds is None else doc_bounds[..., 0]
+    out, lse = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                             softcap=softcap, document_ids=ids)
+    return out.to(q.dtype), lse
+
+
+def _fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap,
+                         deterministic):
+    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
+                                    window_size=(window_left, window_right), softcap=softcap)
+    return out.to(q.dtype), lse
+
+
+@pytest.fixture
+def cpu_ops(monkeypatch):
+    """The ops run on the CPU (stand-ins above); device checks pass; no call is in the checked-call cache; the build
+    query has run (its cache is full, as after any earlier call: test_first_call_of_the_process_inside_a_jit_trace
+    empties it)."""
+    if not _ops.EXTENSION_LOADED:
+        pytest.skip(f"the extension is needed for its op schemas: {_ops._load_error}")
+    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
+    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
+    monkeypatch.setattr(interface, "_capturing", lambda device: False)  # (a CUDA query)
+    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
+    monkeypatch.setattr(interface, "_DOCUMENT_BOUNDS", interface._ValueNotes())
+    _ops._compiled()
+    lib = torch.library.Library("flash_attn_hopper", "IMPL")
+    lib.impl("fwd", _fwd_stand_in, "CPU")
+    lib.impl("fwd_varlen", _fwd_varlen_stand_in, "CPU")
+    yield
+    lib._destroy()
+    _ops._compiled.cache_clear()
+
+
+def _ops_in(traced):
+    return re.findall(r"flash_attn_hopper::\w+", str(traced.inlined_graph))
+
+
+def _dense(batch, seqlen, nheads, nheads_k, head_dim=64):
+    return (torch.randn(batch, seqlen, nheads, head_dim).half(), torch.randn(batch, seqlen, nheads_k, head_dim).half(),
+            torch.randn(batch, seqlen, nheads_k, head_dim).half())
+
+
+def test_first_call_of_the_process_inside_a_jit_trace(cpu_ops):
+    """Nothing of the library ran before (the build query's cache is empty): tracing a causal call must record the
+    attention op (not the build query) and replay on new values as the op computes them."""
+    _ops._compiled.cache_clear()
+    q, k, v = _dense(2, 77, 4, 2)
+    traced = torch.jit.trace(lambda q, k, v: attention(q, k, v, causal=True), (q, k, v), check_trace=False)
+    assert _ops_in(traced) == ["flash_attn_hopper::fwd"], _ops_in(traced)
+    q2, k2, v2 = _dense(2, 77, 4, 2)
+    want = _fwd_stand_in(q2, k2, v2, 64**-0.5, True, -1, 0, 0.0, False)[0]
+    assert torch.equal(traced(q2, k2, v2), want)
+
+
+# trace-time boundaries end at row 200 of 300; the replays' end further, earlier, or start past row 0
+REPLAYS = {"longer": [0, 150, 300], "shorter": [0, 40, 120], "offset": [30, 90, 260]}
+
+
+@pytest.mark.parametrize("replay", list(REPLAYS))
+def test_jit_trace_of_varlen_follows_new_cu_seqlens(cpu_ops, replay):
+    """Trace attention_varlen with cu_seqlens ending at row 200 of 300 (a preallocated buffer), replay with other
+    boundaries (max_seqlen: 300, an upper bound, as the trace keeps it): out and LSE must be the op's on the replay's
+    whole q, k, v and boundaries (before the fix the trace handed the op the first 200 rows whatever cu_seqlens said)."""
+    q, k, v = torch.randn(300, 4, 64).half(), torch.randn(300, 2, 64).half(), torch.randn(300, 2, 64).half()
+    cu_trace = torch.tensor([0, 100, 200], dtype=torch.int32)
+
+    def f(q, k, v, cu):
+        return attention_varlen(q, k, v, cu, cu, 300, 300, causal=True, return_lse=True)
+
+    traced = torch.jit.trace(f, (q, k, v, cu_trace), check_trace=False)
+    cu = torch.tensor(REPLAYS[replay], dtype=torch.int32)
+    out, lse = traced(q, k, v, cu)
+    want_out, want_lse = _fwd_varlen_stand_in(q, k, v, cu, cu, 300, 300, 64**-0.5, True, -1, 0, 0.0, False)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"{replay}: the trace kept trace-time lengths"
+
+
+def test_jit_trace_of_documents_does_not_keep_cached_bounds(cpu_ops):
+    """A warm-up call caches the document bounds of ids_a; a trace on the same ids must still derive the bounds from
+    the ids it is given, so a replay with other ids uses their documents."""
+    q, k, v = _dense(1, 300, 4, 2)
+    ids_a = torch.repeat_interleave(torch.tensor([[0, 1]]), torch.tensor([120, 180]), dim=1)
+    ids_b = torch.repeat_interleave(torch.tensor([[0, 1, 2]]), torch.tensor([40, 200, 60]), dim=1)
+    attention(q, k, v, causal=True, document_ids=ids_a)  # warm-up: the bounds of ids_a are cached
+    assert interface._DOCUMENT_BOUNDS.get(ids_a) is not interface._ValueNotes.MISSING, "construction: nothing cached"
+    traced = torch.jit.trace(lambda q, k, v, ids: attention(q, k, v, causal=True, document_ids=ids), (q, k, v, ids_a),
+                             check_trace=False)
+    got = traced(q, k, v, ids_b)
+    want = _fwd_stand_in(q, k, v, 64**-0.5, True, -1, 0, 0.0, False, interface.document_bounds(ids_b))[0]
+    assert torch.equal(got, want), "the trace replayed the warm-up's documents"
+
+
+@requires_transformers
+def test_transformers_document_ids_under_jit_trace(cpu_ops):
+    """The transformers integration's document ids from position_ids, cached per tensor like the bounds: a trace after
+    a warm-up on the same position_ids must compute them from the position_ids it is given."""
+    from flash_attn_hopper.integrations import transformers as fah_transformers
+
+    old, fah_transformers._DOCUMENTS = fah_transformers._DOCUMENTS, interface._ValueNotes()
+    try:
+        query = key = torch.randn(2, 4, 50, 64).half()  # transformers' (batch, nheads, seqlen, head_dim)
+        pos_a = torch.cat([torch.arange(20), torch.arange(30)]).unsqueeze(0)
+        pos_b = torch.cat([torch.arange(35), torch.arange(5), torch.arange(10)]).unsqueeze(0)
+        fah_transformers._documents(pos_a, query, key)  # warm-up: cached
+        traced = torch.jit.trace(lambda pos, query, key: fah_transformers._documents(pos, query, key),
+                                 (pos_a, query, key), check_trace=False)
+        got = traced(pos_b, query, key)
+        fah_transformers._DOCUMENTS = interface._ValueNotes()
+        want = fah_transformers._documents(pos_b, query, key)
+        assert torch.equal(got, want), "the trace replayed the warm-up's document ids"
+    finally:
+        fah_transformers._DOCUMENTS = old
+
+
+@requires_transformers
+def test_transformers_padding_mask_refused_under_jit_trace(cpu_ops):
+    """A padding mask's lengths are read on the host: under torch.jit.trace that must raise naming the trace (as inside
+    a CUDA graph capture), not record the trace-time lengths as constants."""
+    from flash_attn_hopper.integrations import transformers as fah_transformers
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="torch.jit.trace"):
+        torch.jit.trace(lambda m: fah_transformers._unpadding(m, 5)[0], (mask,), check_trace=False)
+
+
+@pytest.mark.parametrize("case", ["head_dim", "window_size", "cu_seqlens_q"])
+def test_bad_arguments_still_refused_by_name_under_jit_trace(cpu_ops, case):
+    """Taking the graph path under the trace skips only the host reads and caches, not the argument checks."""
+    q, k, v = _dense(1, 40, 2, 2, head_dim=64)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    if case == "head_dim":
+        f, args = (lambda q, k, v: attention(q, k, v)), (q[..., :12], k[..., :12], v)
+    elif case == "window_size":
+        f, args = (lambda q, k, v: attention(q, k, v, window_size=(-2, 0))), (q, k, v)
+    else:
+        f, args = (lambda q, k, v: attention_varlen(q, k, v, cu.long(), cu, 40, 40)), (q[0], k[0], v[0])
+    with pytest.raises(ValueError, match=case):
+        torch.jit.trace(f, args, check_trace=False)
