@@ -186,6 +186,9 @@ struct BwdTileConfig {
 // (+3-17 %); under a causal-like mask (group CTAs in one longest-first order) it won at 256 CTAs at head_dim 64 only
 // (+15 % at 2048, +1-5 % at 4096-8192), lost at 256 CTAs at head_dim 128 (0.87-0.95) and at 128 CTAs everywhere
 // (0.58-0.73). So: no mask and head_dim <= 128 from 0.9 x SMs; causal-like at head_dim 64 from 1.9 x SMs; else 2 x SMs.
+// Session 41 (the rule against each mode forced, 2 rounds, 1024-16384): without a mask +22-24 % at 1024, +5-14 % at
+// 2048-4096, +2-4 % at 8192-16384; causal head_dim 64 16/2 +28 % at 1024, +5-15 % at 2048-4096, level to -2 % at
+// 8192-16384 (left in: one shape, within two rounds' spread of level).
 // Returns the query heads per CTA (1 or the group size). FAH_BWD_GQA_GROUP_CTA=1 or 0 forces either
 // (tests/test_bwd_gqa_group_gpu.py runs the GQA tests under both).
 enum class BwdMask { kNone, kCausalLike, kOther };
