@@ -2,6 +2,7 @@
 
 import math
 import numbers
+import warnings
 import weakref
 
 import torch
@@ -339,10 +340,11 @@ def attention(
 
 def _graph_tracing():
     """Whether this call is being recorded into a graph that later runs on other values: torch.compile / torch.export
-    (dynamo) or torch.jit.trace. Such a call reads no tensor values on the host and serves no per-tensor cached result
-    (either would become a constant of the graph: a torch.jit.trace of attention_varlen kept the trace-time cut at
-    cu_seqlens_q[-1], and one of attention the document bounds cached by a call before it), and it leaves the build
-    and device queries to the op (the extension's build_config op returns a str, which torch.jit.trace cannot record)."""
+    (dynamo) or torch.jit.trace. Such a call takes no tensor value read on the host into what it launches and serves
+    no per-tensor cached result (either would become a constant of the graph: a torch.jit.trace of attention_varlen
+    kept the trace-time cut at cu_seqlens_q[-1], and one of attention the document bounds cached by a call before
+    it), and it leaves the build and device queries to the op (the extension's build_config op returns a str, which
+    torch.jit.trace cannot record)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
@@ -537,6 +539,23 @@ def _cu_seqlens_summary(name, cu):
     return summary
 
 
+def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The checks of cu_seqlens' values (a host read): non-negative, non-decreasing, within q's / k's rows, no sequence
+    longer than its max_seqlen. Returns (cu_seqlens_q[-1], cu_seqlens_k[-1])."""
+    last = []
+    for name, cu, rows, max_name, max_len in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
+    ):
+        _, end, longest = _cu_seqlens_summary(name, cu)
+        if end > rows:
+            raise ValueError(f"{name} ends at row {end}, past the {rows} rows of {name[-1]}")
+        if longest > max_len:
+            raise ValueError(f"{max_name} is {max_len} but {name} holds a sequence of length {longest}")
+        last.append(end)
+    return tuple(last)
+
+
 def _check_max_seqlen(name, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
@@ -597,10 +616,11 @@ def attention_varlen(
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
-    the layers of a model step reuse the check); under torch.compile, torch.jit.trace and inside a CUDA graph capture
-    (where a replay reads the boundaries it finds on the device) that check is skipped and the values are trusted
-    (max_seqlen_q/k, Python ints, are constants of such a graph: trace with upper bounds), and rows past the
-    last sequence must then hold finite values (a last partial tile loads them). In every mode the
+    the layers of a model step reuse the check); under torch.compile and inside a CUDA graph capture (where a replay
+    reads the boundaries it finds on the device) that check is skipped and the values are trusted; torch.jit.trace
+    checks the values of the call it traces, and its replays trust theirs (no Python check runs in a replay, only
+    the op's). max_seqlen_q/k, Python ints, are constants of such a graph: trace or capture with upper bounds. Where
+    the values are trusted, rows past the last sequence must hold finite values (a last partial tile loads them). In every mode the
     tokens of one sequence must be finite for its neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
@@ -638,10 +658,10 @@ def attention_varlen(
     _ops.require_extension()
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
             softcap, deterministic)
-    # Under torch.compile, torch.jit.trace and inside a CUDA graph capture, cu_seqlens are not read on the host (a
-    # capture forbids the copy; a replay must follow the values it finds): the kernels take every row, read the
-    # boundaries on the device and write the rows outside the sequences themselves. The values are then the caller's
-    # to get right.
+    # Under torch.compile, torch.jit.trace and inside a CUDA graph capture, what is launched does not depend on
+    # cu_seqlens' values (a capture forbids the host read; a replay must follow the values it finds): the kernels take
+    # every row, read the boundaries on the device and write the rows outside the sequences themselves. The values
+    # are then the caller's to get right.
     compiling = _graph_tracing()
     if not compiling:
         _check_sm90("q", q.device)
@@ -649,23 +669,19 @@ def attention_varlen(
     # The launch covers the longest sequence in every one, which the op clamps to q's rows (as given to it).
     tile_names = ("the number of sequences", "nheads")
     if compiling or _capturing(q.device):
+        if torch.jit.is_tracing() and not torch.compiler.is_compiling():
+            # torch.jit.trace runs this call eagerly, so its values can be checked (the trace keeps none of it: a
+            # replay's values are the caller's to get right, as in a CUDA graph)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
                          tile_names + ("min(max_seqlen_q, q's rows)",), launches=k.shape[0] > 0 and max_seqlen_k > 0)
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
-    last = {}
-    for name, cu, rows, max_name, max_len in (
-        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
-        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
-    ):
-        _, last[name], longest = _cu_seqlens_summary(name, cu)
-        if last[name] > rows:
-            raise ValueError(f"{name} ends at row {last[name]}, past the {rows} rows of {name[-1]}")
-        if longest > max_len:
-            raise ValueError(f"{max_name} is {max_len} but {name} holds a sequence of length {longest}")
     # Rows past the last sequence belong to none (a preallocated buffer may hold anything there): the kernels get views
     # without them, since a last partial tile would otherwise load them (masked, but 0 * NaN is NaN).
-    last_q, last_k = last["cu_seqlens_q"], last["cu_seqlens_k"]
+    last_q, last_k = _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     tail_q = q.shape[0] - last_q
     if tail_q or last_k < k.shape[0]:
         q, k, v = q[:last_q], k[:last_k], v[:last_k]

@@ -178,3 +178,38 @@ def test_bad_arguments_still_refused_by_name_under_jit_trace(cpu_ops, case):
         f, args = (lambda q, k, v: attention_varlen(q, k, v, cu.long(), cu, 40, 40)), (q[0], k[0], v[0])
     with pytest.raises(ValueError, match=case):
         torch.jit.trace(f, args, check_trace=False)
+
+
+@pytest.mark.parametrize("bad", ["decreasing", "past_rows", "max_seqlen"])
+def test_jit_trace_of_varlen_checks_the_traced_values(cpu_ops, bad):
+    """torch.jit.trace runs the traced call eagerly, so its cu_seqlens are checked as in an eager call (a decreasing
+    offset, an end past q's rows, a sequence longer than max_seqlen_q: ValueError naming it), though what is launched
+    does not depend on them (test_jit_trace_of_varlen_follows_new_cu_seqlens)."""
+    q, k, v = torch.randn(300, 4, 64).half(), torch.randn(300, 2, 64).half(), torch.randn(300, 2, 64).half()
+    cu, max_q, match = {"decreasing": ([0, 150, 100], 300, "cu_seqlens_q must be non-decreasing"),
+                        "past_rows": ([0, 150, 301], 300, "cu_seqlens_q ends at row 301"),
+                        "max_seqlen": ([0, 150, 300], 100, "max_seqlen_q is 100")}[bad]
+    cu_q = torch.tensor(cu, dtype=torch.int32)
+    cu_k = torch.tensor([0, 150, 300], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        torch.jit.trace(lambda q, k, v, cu_q: attention_varlen(q, k, v, cu_q, cu_k, max_q, 300), (q, k, v, cu_q),
+                        check_trace=False)
+
+
+@requires_transformers
+@pytest.mark.parametrize("mask_kind", ["all_ones", "padded"])
+def test_transformers_mask_function_refuses_an_attention_mask_under_jit_trace(mask_kind):
+    """transformers drops an all-ones attention_mask by a host read, which a trace would keep as "no padding" for
+    every replay: the mask function must refuse any attention_mask under a trace, naming it."""
+    from flash_attn_hopper.integrations import transformers as fah_transformers
+
+    mask = torch.ones(2, 5, dtype=torch.int64)
+    if mask_kind == "padded":
+        mask[0, :2] = 0
+
+    def f(m):
+        out = fah_transformers.flash_attn_hopper_mask(2, 5, 5, attention_mask=m)
+        return m if out is None else out
+
+    with pytest.raises(RuntimeError, match="torch.jit.trace"):
+        torch.jit.trace(f, (mask,), check_trace=False)

@@ -398,6 +398,8 @@ def flash_attn_hopper_mask(
             a custom ``or/and_mask_function``); or, without an
             attention_mask, the key/value length is not ``q_offset + q_length - kv_offset`` (a StaticCache with empty
             slots, which would be attended).
+        RuntimeError: an attention_mask under torch.jit.trace (its padding is read on the host, which a trace would
+            keep for every replay).
     """
     if not torch.compiler.is_compiling():
         # Packed sequences: the attention layers apply them (document_ids from position_ids), so only the pattern
@@ -420,6 +422,12 @@ def flash_attn_hopper_mask(
                     "are filled (a StaticCache or other preallocated cache); without an attention_mask the empty "
                     "positions would be attended. Use a DynamicCache, or attn_implementation='sdpa'."
                 )
+    if attention_mask is not None and torch.jit.is_tracing():
+        # transformers drops an all-ones mask by a host read, and a trace would keep that as "no padding" for every
+        # replay (as it would keep the lengths of one with padding: _unpadding refuses those by the same message)
+        raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be traced by torch.jit.trace: its "
+                           "sequence lengths are read on the host; pass no attention_mask, or pack the batch "
+                           "(position_ids) instead")
     return flash_attention_mask(
         batch_size=batch_size,
         q_length=q_length,
