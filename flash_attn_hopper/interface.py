@@ -22,6 +22,12 @@ _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
 _MAX_SEQLEN = 2**30 - 256  # rows per tensor: the kernels' mask sums (seqlen_q + seqlen_k + 2 tiles) fit int32
 _FWD_TILE_ROWS = 128  # the forward's smallest tile height (flash/config.hpp): the most tiles a launch can have
+# The persistent forward (one CTA per SM) hands out its next tile as an int32 sum, atomicAdd(counter) + gridDim.x
+# (flash/fwd/kernel_fwd_sm90.hpp), which reaches tiles - 1 + gridDim.x: past INT32_MAX it wraps negative, and by the
+# code such a CTA hangs (its consumers stop at a negative tile, its producer goes on; not yet run on a GPU). Room for
+# 1024 CTAs (an H100/H200 has 132 SMs): at most 2^31 - 1025 tiles.
+_FWD_PERSISTENT_CTAS_MAX = 1024
+_MAX_FWD_TILES = _INT32_MAX - _FWD_PERSISTENT_CTAS_MAX
 
 
 def kernel_head_dim(head_dim, backward=False):
@@ -101,15 +107,18 @@ def _check_tensor_args(q, k, v):
 
 
 def _check_fwd_tiles(batch, nheads, seqlen_q, names, launches=True):
-    """The forward numbers its tiles (query row blocks x heads x batch) with int32: refuse a launch past that by name
-    (the launcher would fail with a bare "invalid argument"). Reached only by huge grids, e.g. seqlen_q 1 with
-    batch x nheads >= 2^31, or thousands of varlen sequences under a long max_seqlen_q. seqlen_q: the rows the
-    launcher covers per sequence; launches=False (no keys: the op fills the outputs without a launch) passes."""
+    """The forward numbers its tiles (query row blocks x heads x batch) with int32, and its persistent launch counts up
+    to one tile per CTA past the last (_MAX_FWD_TILES): refuse a launch past that by name (the launcher fails with a
+    bare "invalid argument" past 2^31 - 1 tiles; the persistent kernel's tile numbers wrap within 132 of it).
+    Reached only by huge grids, e.g. seqlen_q 1 with batch x nheads near 2^31, or thousands of varlen sequences under
+    a long max_seqlen_q or with tens of thousands of heads. seqlen_q: the rows the launcher covers per sequence;
+    launches=False (no keys: the op fills the outputs without a launch) passes."""
     tiles = -(-seqlen_q // _FWD_TILE_ROWS) * nheads * batch
-    if launches and tiles > _INT32_MAX:
+    if launches and tiles > _MAX_FWD_TILES:
         raise ValueError(
             f"{names[0]} ({batch}) x {names[1]} ({nheads}) x ceil({names[2]} ({seqlen_q}) / {_FWD_TILE_ROWS}) = "
-            f"{tiles} forward tiles; at most 2^31 - 1 are supported: split the call"
+            f"{tiles} forward tiles; at most 2^31 - 1025 are supported (int32 tile numbers with room for one per SM "
+            "past the last): split the call"
         )
 
 
@@ -298,8 +307,9 @@ def attention(
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); batch x nheads x
-            ceil(seqlen_q / 128) (the forward's tiles) of 2^31 or more while seqlen_k > 0; head_dim or head_dim_v is
-            not a multiple of 8 in [8, 256] (or the forward or backward kernel size of the larger is not in this build);
+            ceil(seqlen_q / 128) (the forward's tiles) of 2^31 - 1024 or more while seqlen_k > 0; head_dim or
+            head_dim_v is not a multiple of 8 in [8, 256] (or the forward or backward kernel size of the larger is not
+            in this build);
             the last dimension's stride is not 1; a tensor is not on a CUDA device, the tensors are on different
             devices, or the GPU is not sm90;
             softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right
@@ -612,7 +622,7 @@ def attention_varlen(
             not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
             below the longest sequence, negative, or 2^31 or more; more than 65535 sequences; sequences x nheads x
             ceil(min(max_seqlen_q, cu_seqlens_q[-1]) / 128) (the forward's tiles; under torch.compile or a CUDA graph
-            capture q's rows instead of cu_seqlens_q[-1]) of 2^31 or more while there are keys.
+            capture q's rows instead of cu_seqlens_q[-1]) of 2^31 - 1024 or more while there are keys.
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;

@@ -816,7 +816,8 @@ def test_dense_forward_tiles_past_int32_refused_by_name(monkeypatch, batch, nhea
     if refused:
         tiles = 2 * batch * nheads
         with pytest.raises(ValueError, match=rf"^batch \({batch}\) x nheads \({nheads}\) x "
-                                             rf"ceil\(seqlen_q \(129\) / 128\) = {tiles} forward tiles; at most 2\^31 - 1"):
+                                             rf"ceil\(seqlen_q \(129\) / 128\) = {tiles} forward tiles; at most "
+                                             r"2\^31 - 1025 are supported"):
             attention(q, k, v)
     else:
         with pytest.raises(LookupError, match="reached the op"):
@@ -856,3 +857,78 @@ def test_varlen_forward_tiles_past_int32_refused_by_name_eager(monkeypatch, last
     256 query blocks per sequence and head (accepted), 32769 rows 257 (refused); no key rows: no launch."""
     _reach_op(monkeypatch, capturing=False, last={"cu_seqlens_q": last_q, "cu_seqlens_k": last_k})
     _check_varlen_tiles(refused, r"min\(max_seqlen_q, cu_seqlens_q\[-1\]\) \(32769\)", 10**9, 80)
+
+
+# The persistent forward (one CTA per SM, kernel_fwd_sm90.hpp) takes its next tile as the int32 sum
+# atomicAdd(tile_counter, 1) + gridDim.x, which reaches tiles - 1 + gridDim.x: within 132 tiles of 2^31 (an H200's SMs)
+# it wrapped negative, and a CTA whose producer went on while its consumers stopped at the negative tile would hang.
+# The limit is 2^31 - 1025 tiles (room for 1024 CTAs).
+INT32_MAX = 2**31 - 1
+FWD_TILE_LIMIT = 2**31 - 1025
+
+
+def test_fwd_tile_limit_leaves_room_for_the_persistent_grid():
+    """The arithmetic of the persistent tile counter: tile numbers r + gridDim.x for r in [0, tiles), as int32."""
+    assert interface._MAX_FWD_TILES == FWD_TILE_LIMIT
+    for tiles, grid in ((FWD_TILE_LIMIT, 1024), (FWD_TILE_LIMIT, 132)):
+        assert (tiles - 1) + grid <= INT32_MAX
+    # inside the former limit (2^31 - 1 tiles) the sum wrapped on a 132-SM GPU: the calls refused below
+    for tiles in (2**31 - 128, 2**31 - 2):
+        assert tiles <= INT32_MAX and (tiles - 1) + 132 > INT32_MAX
+
+
+@pytest.mark.parametrize("batch, nheads, seqlen_q, refused", [
+    (38533, 55731, 128, False),  # 2^31 - 1025 tiles: the most accepted
+    (33026, 65024, 128, True),  # 2^31 - 1024
+    (32776, 65520, 1, True),  # 2^31 - 128: the persistent counter wrapped (77 GB at head_dim 8 with MQA k/v)
+])
+def test_dense_forward_tiles_near_int32_leave_room_for_the_persistent_grid(monkeypatch, batch, nheads, seqlen_q,
+                                                                           refused):
+    _reach_op(monkeypatch)
+    q = torch.empty(batch, seqlen_q, nheads, 8, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(batch, 16, 1, 8, device="meta", dtype=torch.bfloat16)
+    tiles = batch * nheads * -(-seqlen_q // 128)
+    assert (tiles > FWD_TILE_LIMIT) == refused and tiles <= INT32_MAX
+    if refused:
+        with pytest.raises(ValueError, match=rf"^batch \({batch}\) x nheads \({nheads}\) x ceil\(seqlen_q "
+                                             rf"\({seqlen_q}\) / 128\) = {tiles} forward tiles; at most 2\^31 - 1025"):
+            attention(q, k, v)
+    else:
+        with pytest.raises(LookupError, match="reached the op"):
+            attention(q, k, v)
+
+
+# (sequences, nheads, max_seqlen_q (and the rows of q), refused)
+VARLEN_NEAR_INT32 = [
+    (15719, 45539, 384, False),  # 3 query blocks: 2^31 - 1025 tiles
+    (16513, 65024, 256, True),  # 2 query blocks: 2^31 - 1024
+    (65534, 32769, 1, True),  # 2^31 - 2 tiles: the wrapped counter with 512 KiB of q (one token, 65533 empty sequences)
+]
+
+
+def _check_varlen_tiles_near_int32(sequences, nheads, rows, refused, clamped):
+    q = torch.empty(rows, nheads, 8, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(rows, 1, 8, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(sequences + 1, device="meta", dtype=torch.int32)
+    tiles = sequences * nheads * -(-rows // 128)
+    assert (tiles > FWD_TILE_LIMIT) == refused and tiles <= INT32_MAX
+    if refused:
+        with pytest.raises(ValueError, match=rf"^the number of sequences \({sequences}\) x nheads \({nheads}\) x "
+                                             rf"ceil\({clamped} \({rows}\) / 128\) = {tiles} forward tiles; "
+                                             r"at most 2\^31 - 1025"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, rows, rows)
+    else:
+        with pytest.raises(LookupError, match="reached the op"):
+            flash_attn_hopper.attention_varlen(q, k, v, cu, cu, rows, rows)
+
+
+@pytest.mark.parametrize("sequences, nheads, rows, refused", VARLEN_NEAR_INT32)
+def test_varlen_forward_tiles_near_int32_compiling(monkeypatch, sequences, nheads, rows, refused):
+    _reach_op(monkeypatch, capturing=True)
+    _check_varlen_tiles_near_int32(sequences, nheads, rows, refused, r"min\(max_seqlen_q, q's rows\)")
+
+
+@pytest.mark.parametrize("sequences, nheads, rows, refused", VARLEN_NEAR_INT32)
+def test_varlen_forward_tiles_near_int32_eager(monkeypatch, sequences, nheads, rows, refused):
+    _reach_op(monkeypatch, capturing=False, last={"cu_seqlens_q": rows, "cu_seqlens_k": rows})
+    _check_varlen_tiles_near_int32(sequences, nheads, rows, refused, r"min\(max_seqlen_q, cu_seqlens_q\[-1\]\)")
