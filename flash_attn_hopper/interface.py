@@ -22,10 +22,11 @@ _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
 _MAX_SEQLEN = 2**30 - 256  # rows per tensor: the kernels' mask sums (seqlen_q + seqlen_k + 2 tiles) fit int32
 _FWD_TILE_ROWS = 128  # the forward's smallest tile height (flash/config.hpp): the most tiles a launch can have
-# The persistent forward (one CTA per SM) hands out its next tile as an int32 sum, atomicAdd(counter) + gridDim.x
-# (flash/fwd/kernel_fwd_sm90.hpp), which reaches tiles - 1 + gridDim.x: past INT32_MAX it wraps negative, and by the
-# code such a CTA hangs (its consumers stop at a negative tile, its producer goes on; not yet run on a GPU). Room for
-# 1024 CTAs (an H100/H200 has 132 SMs): at most 2^31 - 1025 tiles.
+# The persistent forward (one CTA per SM) hands out its next tile as atomicAdd(counter) + gridDim.x
+# (flash/fwd/kernel_fwd_sm90.hpp), which reaches tiles - 1 + gridDim.x: before session 41 that int32 sum wrapped
+# negative past INT32_MAX and, by the code, such a CTA hung (its consumers stopped at a negative tile, its producer
+# went on). The kernel now compares before the sum; this limit keeps room for 1024 CTAs (an H100/H200 has 132 SMs)
+# all the same: at most 2^31 - 1025 tiles, a limit no GPU run has had to test at the boundary.
 _FWD_PERSISTENT_CTAS_MAX = 1024
 _MAX_FWD_TILES = _INT32_MAX - _FWD_PERSISTENT_CTAS_MAX
 

@@ -216,7 +216,8 @@ struct FwdKernelTraits {
     bool pingpong;
     // Tiles (m_block, head, batch), numbered head-major with m_block descending, or in sections (section_heads;
     // decode_tile). A CTA starts at tile blockIdx.x and, when tile_counter is set (persistent launch, gridDim.x
-    // CTAs), takes further tiles from that zeroed counter: next = atomicAdd(tile_counter, 1) + gridDim.x.
+    // CTAs), takes further tiles from that zeroed counter: next = atomicAdd(tile_counter, 1) + gridDim.x (compared
+    // with num_tiles before the sum, which could pass INT32_MAX).
     int num_m_blocks, num_tiles;
     int* tile_counter;
     // > 0: tiles in sections of this many (head, batch) pairs, query blocks longest first across a section
@@ -725,7 +726,11 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
         // Ask for the next tile now: the atomic's latency passes while this tile's loads are issued.
         int next = params.num_tiles;
         if constexpr (Traits::kPersistent) {
-          if (params.tile_counter != nullptr) { next = atomicAdd(params.tile_counter, 1) + int(gridDim.x); }
+          if (params.tile_counter != nullptr) {
+            // r + gridDim.x would pass INT32_MAX (and wrap negative) within gridDim.x of 2^31 tiles: compare first
+            int const r = atomicAdd(params.tile_counter, 1);
+            next = r < params.num_tiles - int(gridDim.x) ? r + int(gridDim.x) : params.num_tiles;
+          }
         }
         int m_block, bidh, n_block_min, n_block_max;
         SeqlenInfo const info = Traits::decode_tile(params, tile, m_block, bidh, n_block_min, n_block_max);
