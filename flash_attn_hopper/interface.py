@@ -110,7 +110,8 @@ def _check_tensor_args(q, k, v):
 def _check_fwd_tiles(batch, nheads, seqlen_q, names, launches=True):
     """The forward numbers its tiles (query row blocks x heads x batch) with int32, and its persistent launch counts up
     to one tile per CTA past the last (_MAX_FWD_TILES): refuse a launch past that by name (the launcher fails with a
-    bare "invalid argument" past 2^31 - 1 tiles; the persistent kernel's tile numbers wrap within 132 of it).
+    bare "invalid argument" past 2^31 - 1 tiles; before session 41 the persistent kernel's tile numbers wrapped
+    within 132 of it).
     Reached only by huge grids, e.g. seqlen_q 1 with batch x nheads near 2^31, or thousands of varlen sequences under
     a long max_seqlen_q or with tens of thousands of heads. seqlen_q: the rows the launcher covers per sequence;
     launches=False (no keys: the op fills the outputs without a launch) passes."""
@@ -622,8 +623,9 @@ def attention_varlen(
         ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D,
             not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
             below the longest sequence, negative, or 2^31 or more; more than 65535 sequences; sequences x nheads x
-            ceil(min(max_seqlen_q, cu_seqlens_q[-1]) / 128) (the forward's tiles; under torch.compile or a CUDA graph
-            capture q's rows instead of cu_seqlens_q[-1]) of 2^31 - 1024 or more while there are keys.
+            ceil(min(max_seqlen_q, cu_seqlens_q[-1]) / 128) (the forward's tiles; under torch.compile,
+            torch.jit.trace or a CUDA graph capture q's rows instead of cu_seqlens_q[-1]) of 2^31 - 1024 or more while
+            there are keys.
         RuntimeError: the compiled extension is not available.
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
@@ -631,8 +633,8 @@ def attention_varlen(
     reads the boundaries it finds on the device) that check is skipped and the values are trusted; torch.jit.trace
     checks the values of the call it traces, and its replays trust theirs (no Python check runs in a replay, only
     the op's). max_seqlen_q/k, Python ints, are constants of such a graph: trace or capture with upper bounds. Where
-    the values are trusted, rows past the last sequence must hold finite values (a last partial tile loads them). In every mode the
-    tokens of one sequence must be finite for its neighbours' results to be (the same reason).
+    the values are trusted, rows past the last sequence must hold finite values (a last partial tile loads them). In
+    every mode the tokens of one sequence must be finite for its neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     return_lse = _check_bool("return_lse", return_lse)

@@ -230,6 +230,13 @@ def _is_padding_mask(attention_mask, query, key):
 _UNPADDING = _ValueNotes()
 
 
+# An attention_mask's padding is read on the host (by _unpadding, or by transformers to drop an all-ones mask), which a
+# torch.jit.trace would keep for every replay.
+_TRACED_MASK_REFUSAL = ("flash_attn_hopper: an attention_mask cannot be traced by torch.jit.trace: its sequence "
+                        "lengths are read on the host; pass no attention_mask, or pack the batch (position_ids) "
+                        "instead")
+
+
 def _unpadding(attention_mask, q_length):
     """(indices_q, indices_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a (batch, kv_length) padding
     mask whose last q_length columns are the queries' positions (the keys before them come from a cache)."""
@@ -238,8 +245,7 @@ def _unpadding(attention_mask, q_length):
         raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be used inside a CUDA graph capture: its "
                            "sequence lengths are read on the host; pack the batch (position_ids) instead")
     if torch.jit.is_tracing():  # the same: the trace would keep the trace-time lengths as constants
-        raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be traced by torch.jit.trace: its "
-                           "sequence lengths are read on the host; pack the batch (position_ids) instead")
+        raise RuntimeError(_TRACED_MASK_REFUSAL)
     cached = _UNPADDING.get(attention_mask, attention_mask.device)
     if cached is not _ValueNotes.MISSING and cached[0] == q_length:
         return cached[1]
@@ -425,9 +431,7 @@ def flash_attn_hopper_mask(
     if attention_mask is not None and torch.jit.is_tracing():
         # transformers drops an all-ones mask by a host read, and a trace would keep that as "no padding" for every
         # replay (as it would keep the lengths of one with padding: _unpadding refuses those by the same message)
-        raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be traced by torch.jit.trace: its "
-                           "sequence lengths are read on the host; pass no attention_mask, or pack the batch "
-                           "(position_ids) instead")
+        raise RuntimeError(_TRACED_MASK_REFUSAL)
     return flash_attention_mask(
         batch_size=batch_size,
         q_length=q_length,
