@@ -461,8 +461,11 @@ def _bwd_peak(q, k, v, dout, **kwargs):
     return torch.cuda.max_memory_allocated() - base, grads
 
 
+# Windows that hide no key (left >= seqlen_k - 1 and right >= seqlen_q - 1: 1100 tokens) count as no mask.
 _RULE_MASKS = {"none": {}, "causal": {"causal": True}, "window_right_only": {"window_size": (-1, 40)},
-               "window": {"window_size": (300, 40)}}
+               "window": {"window_size": (300, 40)}, "window_wider": {"window_size": (5000, 5000)},
+               "window_hides_nothing": {"window_size": (1099, 1099)}}
+_RULE_UNMASKED = ("none", "window_wider", "window_hides_nothing")
 
 
 @pytest.mark.parametrize("waves", ["one", "near_two"])
@@ -471,9 +474,9 @@ _RULE_MASKS = {"none": {}, "causal": {"causal": True}, "window_right_only": {"wi
 def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
     """Below two waves of CTAs (12 query heads on 4 K/V heads, 1100 tokens: 9 key blocks, or 18 at head_dim 256, x 4 x
     batch CTAs; "one": from 1 to 1.9 x the SMs, "near_two": from 1.9 to 2 x), the launcher's pick depends on the mask
-    (flash/config.hpp bwd_heads_per_cta): one CTA per K/V head group without a mask at head_dim <= 128, and under a
-    causal-like mask (causal, or a window with no left bound) at head_dim 64 from 1.9 x the SMs; fp32 sums otherwise
-    (a window with a left bound, head_dim 256). Read from the backward's peak memory against the group mode forced:
+    (flash/config.hpp bwd_heads_per_cta): one CTA per K/V head group without a mask (or a window that hides no key)
+    at head_dim <= 128, and under a causal-like mask (causal, or a window with no left bound) at head_dim 64 from 1.9
+    x the SMs; fp32 sums otherwise (a window with a left bound, head_dim 256). Read from the backward's peak memory against the group mode forced:
     the sums take two zeroed fp32 buffers of k's size that the group mode does not. The gradients follow the rule
     either way."""
     monkeypatch.delenv("FAH_BWD_GQA_GROUP_CTA", raising=False)
@@ -495,7 +498,7 @@ def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
     group_peak, _ = _bwd_peak(q, k, v, dout, **kwargs)
     sums_bytes = 2 * k.numel() * 4
     causal_like = mask in ("causal", "window_right_only")
-    group = (mask == "none" and head_dim <= 128) or (causal_like and head_dim <= 64 and waves == "near_two")
+    group = (mask in _RULE_UNMASKED and head_dim <= 128) or (causal_like and head_dim <= 64 and waves == "near_two")
     # The two modes' peaks fall at different points of the backward, so their difference is near, not exactly, the
     # sums' size (0.92 of it under a causal mask): half of it separates the modes.
     if group:

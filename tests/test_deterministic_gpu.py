@@ -187,6 +187,31 @@ def test_deterministic_dq_lanes_head_dim_256(monkeypatch, lanes, case):
             assert_close_by_rule(g[s][None], r, n, f"lanes {lanes} varlen sequence {b} {gname}")
 
 
+@pytest.mark.parametrize("window", [(5000, 5000), (1999, 1999)], ids=["wider", "hides_nothing"])
+def test_deterministic_dq_lanes_window_hiding_nothing(monkeypatch, window):
+    """A window that hides no key (left >= seqlen_k - 1, right >= seqlen_q - 1) takes the dQ accumulator copies of no
+    window (flash/config.hpp bwd_dq_lanes: two at head_dim 256 without a mask): dQ bitwise equal to that of the two
+    copies forced (FAH_BWD_DQ_LANES=2) and unequal to one copy's (which sums in another order), within the rule."""
+    dtype = _built_dtype(256)
+    q, dout = (_randn(1, 2000, 4, 256, dtype=dtype) for _ in range(2))
+    k, v = (_randn(1, 2000, 4, 256, dtype=dtype) for _ in range(2))
+    grads = {}
+    for lanes in (None, "2", "1"):
+        if lanes is None:
+            monkeypatch.delenv("FAH_BWD_DQ_LANES", raising=False)
+        else:
+            monkeypatch.setenv("FAH_BWD_DQ_LANES", lanes)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = attention(*leaves, deterministic=True, window_size=window)
+        grads[lanes] = torch.autograd.grad(out, leaves, dout)
+    assert torch.equal(grads[None][0], grads["2"][0]), f"window {window}: dQ is not that of two accumulator copies"
+    assert not torch.equal(grads["1"][0], grads["2"][0]), "one and two copies gave dQ bitwise equal"
+    ref = attention_ref_grads(q, k, v, dout, window_size=window)
+    naive = attention_ref_grads(q, k, v, dout, upcast=False, window_size=window)
+    for gname, a, r, n in zip(("dq", "dk", "dv"), grads[None], ref, naive):
+        assert_close_by_rule(a, r, n, f"window {window} {gname}")
+
+
 def test_deterministic_dq_lanes_take_effect(monkeypatch):
     """Two accumulator copies sum dQ in another order than one: the bits differ (so the lanes tests above do run two
     configurations), both are repeatable and within the reference rule, and dK, dV (no lanes) are bitwise the same."""

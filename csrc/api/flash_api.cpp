@@ -490,7 +490,11 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   auto f32 = q.options().dtype(at::kFloat);
   // Rows of the kernel's width (that of the larger head dim): the kernels index the dQ accumulator with it.
   int const kernel_head_dim = padded_head_dim(std::max(head_dim, head_dim_v));
-  bool const full_rows = opts.window_left < 0 && opts.window_right < 0 && docs.bounds == nullptr;
+  int kernel_left, kernel_right;
+  flash::kernel_window(opts.window_left, opts.window_right, seqlen_q, seqlen_k, kernel_left, kernel_right);
+  // A window wider than the sequences counts as none here (a speed choice only: the results do not depend on it).
+  bool const full_rows =
+      docs.bounds == nullptr && flash::window_hides_nothing(kernel_left, kernel_right, seqlen_q, seqlen_k);
   int const dq_lanes = flash::bwd_dq_lanes(kernel_head_dim, deterministic, full_rows, seqlen_k,
                                            ws_outer * rows * kernel_head_dim * int64_t(sizeof(float)));
   at::Tensor dq_accum = zeroed({dq_lanes * ws_outer, rows, int64_t(kernel_head_dim)}, f32);
@@ -498,10 +502,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   at::Tensor dpsum = at::empty({ws_outer, rows}, f32);
   // GQA/MQA: one CTA runs a whole group's query heads over its K/V tile where that grid fills the GPU (dK/dV written
   // directly); else the query heads of a group add their dK/dV into fp32 sums, converted to the dtype afterwards.
-  int kernel_left, kernel_right;
-  flash::kernel_window(opts.window_left, opts.window_right, seqlen_q, seqlen_k, kernel_left, kernel_right);
-  bool const unmasked = opts.window_left < 0 && opts.window_right < 0 && docs.bounds == nullptr;
-  flash::BwdMask const mask = unmasked ? flash::BwdMask::kNone
+  flash::BwdMask const mask = full_rows ? flash::BwdMask::kNone
                               : docs.bounds == nullptr && flash::causal_like(kernel_left, kernel_right, seqlen_q, seqlen_k)
                                   ? flash::BwdMask::kCausalLike
                                   : flash::BwdMask::kOther;

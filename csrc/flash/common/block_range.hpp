@@ -19,6 +19,12 @@ inline void kernel_window(int window_left, int window_right, int seqlen_q, int s
   right = (window_right < 0 || window_right > seqlen_q) ? seqlen_q + kWindowHeadroom : window_right;
 }
 
+// Whether a window (sides as kernel_window gives them) hides no key from any row: left >= seqlen_k - 1 and right >=
+// seqlen_q - 1 (bottom-right aligned). Launch choices take such a window as no mask.
+inline bool window_hides_nothing(int left, int right, int seqlen_q, int seqlen_k) {
+  return left >= seqlen_k - 1 && right >= seqlen_q - 1;
+}
+
 // Key blocks [n_block_min, n_block_max) of block_n keys holding at least one key visible to some row of query block
 // m_block (block_m rows); window sides as kernel_window gives them.
 inline void key_block_range(int block_m, int block_n, int seqlen_q, int seqlen_k, int window_left, int window_right,
