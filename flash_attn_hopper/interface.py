@@ -456,6 +456,8 @@ def document_bounds(document_ids):
 
 def _capturing(device):
     """Whether the current stream of `device` (a CUDA device) is being captured into a CUDA graph."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()  # no device switch (host time per call)
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
 
@@ -577,6 +579,71 @@ def _check_max_seqlen(name, value):
     return value
 
 
+# attention_varlen's calls whose arguments passed every check but the values of cu_seqlens (checked per tensor
+# version, _check_cu_seqlens_values): signature -> the op's scalar arguments. As for ``attention``, the
+# checks cost more host time than the lookup (session 42: 110-127 us per call against 26-43 for ``attention`` on an
+# H200 host), which at seqlen 1024 is most of the kernel's own time.
+_CHECKED_VARLEN_CALLS = {}
+
+
+def _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                      window_size, softcap, deterministic):
+    """A key that fixes everything _check_varlen_call reads, or None (then the checks run): _call_signature's, plus
+    cu_seqlens' shape, stride, dtype and device and the max_seqlen ints."""
+    if type(cu_seqlens_q) is not torch.Tensor or type(cu_seqlens_k) is not torch.Tensor:
+        return None
+    if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+        return None
+    if any(t.is_nested or t.layout != torch.strided for t in (cu_seqlens_q, cu_seqlens_k)):
+        return None
+    key = _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic)
+    if key is None:
+        return None
+    return key + tuple((t.shape, t.stride(), t.dtype, t.device) for t in (cu_seqlens_q, cu_seqlens_k)) + (
+        max_seqlen_q, max_seqlen_k)
+
+
+def _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       window_size, softcap, deterministic, compiling):
+    """Every check of ``attention_varlen``'s arguments but cu_seqlens' values; returns the op's scalar arguments
+    (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic),
+    deterministic as passed (the global mode is applied per call)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor):
+            _check_strided(name, t)
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(
+                f"{name} must have rank 3 (total_tokens, nheads, head_dim) for attention_varlen, got rank {t.dim()} "
+                f"with shape {tuple(t.shape)}"
+            )
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        _check_tensor_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    else:
+        _check_tensor_args(q, k, v)  # raises the TypeError naming the argument
+    softmax_scale = _check_scale(softmax_scale, q.shape[-1])
+    causal = _check_causal(causal)
+    window_left, window_right = _check_window(window_size, causal)
+    softcap = _check_softcap(softcap, softmax_scale)
+    deterministic = _check_bool("deterministic", deterministic)
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_cu_seqlens_meta("cu_seqlens_q", cu_seqlens_q, q)
+    _check_cu_seqlens_meta("cu_seqlens_k", cu_seqlens_k, q)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {cu_seqlens_q.numel()} and "
+            f"{cu_seqlens_k.numel()}"
+        )
+    if cu_seqlens_q.numel() - 1 > _MAX_GRID_YZ:
+        raise ValueError(f"at most {_MAX_GRID_YZ} sequences are supported, got {cu_seqlens_q.numel() - 1}")
+    _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
+    _ops.require_extension()
+    if not compiling:
+        _check_sm90("q", q.device)
+        _check_compiled(q.shape[-1], q.dtype, v.shape[-1])
+    return max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic
+
+
 def attention_varlen(
     q,
     k,
@@ -637,48 +704,28 @@ def attention_varlen(
     every mode the tokens of one sequence must be finite for its neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
-    return_lse = _check_bool("return_lse", return_lse)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if isinstance(t, torch.Tensor):
-            _check_strided(name, t)
-        if isinstance(t, torch.Tensor) and t.dim() != 3:
-            raise ValueError(
-                f"{name} must have rank 3 (total_tokens, nheads, head_dim) for attention_varlen, got rank {t.dim()} "
-                f"with shape {tuple(t.shape)}"
-            )
-    if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        _check_tensor_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
-    else:
-        _check_tensor_args(q, k, v)  # raises the TypeError naming the argument
-    softmax_scale = _check_scale(softmax_scale, q.shape[-1])
-    causal = _check_causal(causal)
-    window_left, window_right = _check_window(window_size, causal)
-    softcap = _check_softcap(softcap, softmax_scale)
-    # torch.use_deterministic_algorithms(True) turns the deterministic backward on (as ``attention``).
-    deterministic = _check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
-    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    _check_cu_seqlens_meta("cu_seqlens_q", cu_seqlens_q, q)
-    _check_cu_seqlens_meta("cu_seqlens_k", cu_seqlens_k, q)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {cu_seqlens_q.numel()} and "
-            f"{cu_seqlens_k.numel()}"
-        )
-    if cu_seqlens_q.numel() - 1 > _MAX_GRID_YZ:
-        raise ValueError(f"at most {_MAX_GRID_YZ} sequences are supported, got {cu_seqlens_q.numel() - 1}")
-    _check_devices([("q", q.device), ("k", k.device), ("v", v.device)])
-    _ops.require_extension()
-    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
-            softcap, deterministic)
+    return_lse = _check_bool("return_lse", return_lse)  # outside the checked-call cache, as in ``attention``
+    compiling = _graph_tracing()
+    key = None if compiling else _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                    softmax_scale, causal, window_size, softcap, deterministic)
+    scalars = _CHECKED_VARLEN_CALLS.get(key) if key is not None else None
+    if scalars is None:
+        scalars = _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                     causal, window_size, softcap, deterministic, compiling)
+        if key is not None:
+            if len(_CHECKED_VARLEN_CALLS) >= _CHECKED_CALLS_MAX:
+                _CHECKED_VARLEN_CALLS.clear()
+            _CHECKED_VARLEN_CALLS[key] = scalars
+    if not scalars[-1] and torch.are_deterministic_algorithms_enabled():
+        # torch.use_deterministic_algorithms(True) turns the deterministic backward on (as ``attention``); outside
+        # the cache, since the global mode may change between calls
+        scalars = (*scalars[:-1], True)
+    max_seqlen_q, max_seqlen_k = scalars[0], scalars[1]
+    args = (cu_seqlens_q, cu_seqlens_k, *scalars)  # this call's cu_seqlens (the cache keeps no tensor)
     # Under torch.compile, torch.jit.trace and inside a CUDA graph capture, what is launched does not depend on
     # cu_seqlens' values (a capture forbids the host read; a replay must follow the values it finds): the kernels take
     # every row, read the boundaries on the device and write the rows outside the sequences themselves. The values
     # are then the caller's to get right.
-    compiling = _graph_tracing()
-    if not compiling:
-        _check_sm90("q", q.device)
-        _check_compiled(q.shape[-1], q.dtype, v.shape[-1])
     # The launch covers the longest sequence in every one, which the op clamps to q's rows (as given to it).
     tile_names = ("the number of sequences", "nheads")
     if compiling or _capturing(q.device):

@@ -76,6 +76,17 @@ def seed(request):
 
 
 @pytest.fixture(autouse=True)
+def fresh_checked_calls(monkeypatch):
+    """Each test starts with empty checked-call caches (attention's and attention_varlen's) and leaves none behind, so
+    that a call made while a test replaced a check (the device, sm90 or build checks) never lets a later test's call
+    with the same signature skip that check."""
+    from flash_attn_hopper import interface
+
+    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
+    monkeypatch.setattr(interface, "_CHECKED_VARLEN_CALLS", {})
+
+
+@pytest.fixture(autouse=True)
 def full_fp32_matmul(request):
     """GPU tests compare with a float32 reference, which must be real float32 (no TF32)."""
     if request.node.get_closest_marker("requires_sm90") is None:

@@ -693,6 +693,68 @@ def test_checked_call_cache_never_skips_a_check(monkeypatch):
     assert len(interface._CHECKED_CALLS) == 1
 
 
+@pytest.mark.skipif(not _ops.EXTENSION_LOADED, reason="the compiled extension is not built here (CI builds it)")
+def test_varlen_checked_call_cache_never_skips_a_check(monkeypatch):
+    """attention_varlen remembers the signatures that passed every check but cu_seqlens' values (host time per call:
+    110-127 us per call before on an H200 host, most of a seqlen-1024 kernel's time). A call that differs in anything
+    a check reads must still be checked; cu_seqlens' values are checked on every call (per tensor version), and the
+    op gets this call's cu_seqlens, not those of the call that filled the cache. Meta tensors stand in for CUDA ones:
+    the device and GPU checks are replaced, cu_seqlens' host summary is computed from a CPU copy."""
+    seen = []
+
+    def op(q, k, v, cu_q, cu_k, *scalars):
+        seen.append((cu_q, cu_k, scalars))
+        return q, torch.empty(0)
+
+    host = {}  # meta cu_seqlens -> its values on the CPU (a meta tensor has none)
+    summary = interface._cu_seqlens_summary
+    _host_checks_only(monkeypatch, op, capturing=False, summary=lambda name, cu: summary(name, host[id(cu)]))
+    calls = []
+    original = interface._check_varlen_call
+    monkeypatch.setattr(interface, "_check_varlen_call", lambda *a: calls.append(a) or original(*a))
+
+    def cu_of(values):
+        cpu = torch.tensor(values, dtype=torch.int32)
+        cu = cpu.to("meta")
+        host[id(cu)] = cpu
+        return cu
+
+    q, k, v = (torch.empty(40, 4, 64, device="meta", dtype=torch.bfloat16) for _ in range(3))
+    cu_a, cu_b = cu_of([0, 17, 40]), cu_of([0, 20, 40])
+    for cu in (cu_a, cu_b, cu_a):
+        flash_attn_hopper.attention_varlen(q, k, v, cu, cu, 23, 23, causal=True, window_size=(16, 0))
+    assert len(calls) == 1  # checked once, then remembered
+    assert all(s[0] is cu and s[1] is cu for s, cu in zip(seen, (cu_a, cu_b, cu_a), strict=True))
+    assert seen[0][2] == (23, 23, 0.125, True, 16, 0, 0.0, False)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q is 23 but cu_seqlens_q holds a sequence of length 30"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_of([0, 10, 40]), cu_a, 23, 23, causal=True,
+                                           window_size=(16, 0))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k must be non-decreasing"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_a, cu_of([0, 30, 20]), 23, 23, causal=True,
+                                           window_size=(16, 0))
+    assert len(calls) == 1  # the values were checked without the signature's checks
+    with pytest.raises(TypeError, match="max_seqlen_q must be a Python int"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_a, cu_a, 23.0, 23, causal=True, window_size=(16, 0))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_a, cu_a, 23, 23, causal=1, window_size=(16, 0))
+    with pytest.raises(ValueError, match="window_size left side must be >= -1"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_a, cu_a, 23, 23, causal=True, window_size=(-2, 0))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q must have dtype torch.int32"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_a.long(), cu_a, 23, 23, causal=True, window_size=(16, 0))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q and cu_seqlens_k must have the same length"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_of([0, 40]), cu_a, 40, 23, causal=True, window_size=(16, 0))
+    with pytest.raises(ValueError, match="stride 1"):
+        strided = torch.empty(40, 4, 128, device="meta", dtype=torch.bfloat16)[..., ::2]
+        flash_attn_hopper.attention_varlen(strided, k, v, cu_a, cu_a, 23, 23, causal=True, window_size=(16, 0))
+    with pytest.raises(TypeError, match="dtype"):
+        flash_attn_hopper.attention_varlen(q.float(), k, v, cu_a, cu_a, 23, 23, causal=True, window_size=(16, 0))
+    assert len(interface._CHECKED_VARLEN_CALLS) == 1
+    # another max_seqlen is another signature: its checks run (and pass), its values are checked against it
+    with pytest.raises(ValueError, match="max_seqlen_q is 16 but cu_seqlens_q holds a sequence of length 23"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_a, cu_a, 16, 23, causal=True, window_size=(16, 0))
+    assert len(interface._CHECKED_VARLEN_CALLS) == 2
+
+
 def _host_checks_only(monkeypatch, op, capturing, summary=None):
     """Device and extension checks pass, the checked-call cache starts empty, attention's and attention_varlen's ops
     are `op`; capturing picks attention_varlen's compile / capture branch (True) or its eager one, whose host summary
