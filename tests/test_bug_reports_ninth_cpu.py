@@ -1,0 +1,424 @@
+"""The CPU part of the ninth round of bug-report tests (classes BL-BP of tests/bug_report_sources.md; the GPU part is
+tests/test_bug_reports_ninth_gpu.py): what the Python layer and the C++ autograd node of the ops do under PyTorch
+machinery that other attention libraries were reported to break under:
+
+- BL: importing the library (and its transformers integration) must not query or initialise CUDA (a process that has
+  made a CUDA context cannot fork workers that use CUDA);
+- BM: nn.Module full backward hooks (BackwardHookFunction wraps the module's inputs and outputs in views);
+- BN: torch.autograd.graph.allow_mutation_on_saved_tensors, a KV buffer or the saved q / out changed in place between
+  the forward and the backward;
+- BO: (GPU only: the deterministic backward's semaphores);
+- BP: an ExportedProgram holding the ops saved with torch.export.save and loaded back (in this process and in a fresh
+  one);
+- BQ: no warning from a training step (a test suite or a training script run with warnings as errors).
+
+No GPU is needed: the device checks are replaced by no-ops and the ops get CPU kernels for the test: the forwards are
+the float32 references of flash_attn_hopper.testing rounded to the input dtype, and the backwards are written here
+from DESIGN.md §1 with P recomputed from the SAVED LSE and D from the SAVED out (as the kernels do), so a node handed
+the wrong saved tensors gives other gradients. Results are compared bit for bit with the stand-ins run directly on
+the values they should have been given."""
+
+import contextlib
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import flash_attn_hopper
+from flash_attn_hopper import _ops, attention, attention_varlen, interface
+from flash_attn_hopper.testing import _scores, attention_ref, attention_varlen_ref, repeat_kv
+
+requires_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install transformers): integration not tested",
+)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
+
+
+# --------------------------------------------------------------------------------------------- CPU stand-ins
+
+
+def _fwd_stand_in(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None):
+    ids = None if doc_bounds is None else doc_bounds[..., 0]  # each position's document start: valid document ids
+    out, lse = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                             softcap=softcap, document_ids=ids)
+    return out.to(q.dtype), lse
+
+
+def _bwd_stand_in(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
+                  deterministic, doc_bounds=None):
+    """dQ, dK, dV from the saved out and LSE (DESIGN.md §1): P = exp(S - LSE), D = rowsum(dO ∘ O) (- dLSE)."""
+    assert softcap == 0, "stand-in without softcap"
+    ids = None if doc_bounds is None else doc_bounds[..., 0]
+    qf, kf, vf, of, dof = (t.float() for t in (q, k, v, out, dout))
+    kr, vr = repeat_kv(kf, q.shape[2]), repeat_kv(vf, q.shape[2])
+    s = _scores(qf, kr, softmax_scale, causal, (window_left, window_right), softcap, ids)  # (b, h, q, k)
+    empty = torch.isneginf(lse).unsqueeze(-1)
+    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+    d = (dof * of).sum(-1).transpose(1, 2)  # (b, h, q)
+    if dlse is not None:
+        d = d - dlse.float()
+    ds = p * (torch.einsum("bqhd,bkhd->bhqk", dof, vr) - d.unsqueeze(-1))
+    dq = softmax_scale * torch.einsum("bhqk,bkhd->bqhd", ds, kr)
+    dk = softmax_scale * torch.einsum("bhqk,bqhd->bkhd", ds, qf)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
+    group = q.shape[2] // k.shape[2]
+    dk = dk.reshape(*k.shape[:3], group, k.shape[3]).sum(3)
+    dv = dv.reshape(*v.shape[:3], group, v.shape[3]).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap,
+                         deterministic):
+    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
+                                    window_size=(window_left, window_right), softcap=softcap)
+    return out.to(q.dtype), lse
+
+
+def _bwd_varlen_stand_in(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left,
+                         window_right, softcap, deterministic):
+    """The dense stand-in per sequence (batch 1 views); rows and keys outside the sequences get 0."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        (q0, q1), (k0, k1) = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        g = _bwd_stand_in(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                          lse[None, :, q0:q1], None if dlse is None else dlse[None, :, q0:q1], softmax_scale, causal,
+                          window_left, window_right, softcap, deterministic)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+@pytest.fixture
+def cpu_ops(monkeypatch):
+    """The ops run on the CPU (stand-ins above), forward and backward through the extension's C++ autograd node;
+    device checks pass; no call in the checked-call cache."""
+    if not _ops.EXTENSION_LOADED:
+        pytest.skip(f"the extension is needed for its op schemas and autograd node: {_ops._load_error}")
+    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
+    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
+    monkeypatch.setattr(interface, "_capturing", lambda device: False)  # (a CUDA query)
+    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
+    monkeypatch.setattr(interface, "_DOCUMENT_BOUNDS", interface._ValueNotes())
+    _ops._compiled()
+    lib = torch.library.Library("flash_attn_hopper", "IMPL")
+    lib.impl("fwd", _fwd_stand_in, "CPU")
+    lib.impl("bwd", _bwd_stand_in, "CPU")
+    lib.impl("fwd_varlen", _fwd_varlen_stand_in, "CPU")
+    lib.impl("bwd_varlen", _bwd_varlen_stand_in, "CPU")
+    yield
+    lib._destroy()
+
+
+def _randn(*shape):
+    return torch.randn(*shape).half()
+
+
+def _direct(q, k, v, dout, dlse=None, scale=64**-0.5, causal=True, window=(-1, 0)):
+    """(out, lse, dq, dk, dv) of the stand-ins called directly on these values."""
+    out, lse = _fwd_stand_in(q, k, v, scale, causal, *window, 0.0, False)
+    return (out, lse, *_bwd_stand_in(dout, q, k, v, out, lse, dlse, scale, causal, *window, 0.0, False))
+
+
+def _assert_bitwise(got, want, names, what):
+    for name, g, w in zip(names, got, want):
+        if w is None:
+            assert g is None, f"{what}: {name} should be None"
+            continue
+        assert g is not None and g.shape == w.shape and g.dtype == w.dtype, f"{what}: {name} shape/dtype"
+        assert torch.equal(g, w), f"{what}: {name} differs (max {(g.float() - w.float()).abs().max():.3e})"
+
+
+# ---------------------------------------------------------------------------------------- BL: fork-safe import
+
+_IMPORT_SCRIPT = r"""
+import sys
+import torch
+if sys.argv[1] == "transformers":
+    import transformers, transformers.masking_utils  # their own import is theirs to answer for: before the trap
+
+def refuse(name):
+    def f(*args, **kwargs):
+        raise AssertionError(f"CUDA queried while importing flash_attn_hopper: {name}")
+    return f
+
+for name in ("_lazy_init", "init", "is_available", "device_count", "current_device", "get_device_capability",
+             "get_device_properties", "get_device_name", "synchronize", "current_stream", "set_device",
+             "is_current_stream_capturing", "mem_get_info"):
+    setattr(torch.cuda, name, refuse("torch.cuda." + name))
+for name in ("_cuda_init", "_cuda_getDeviceCount", "_cuda_getDevice", "_cuda_getCurrentStream"):
+    if hasattr(torch._C, name):
+        setattr(torch._C, name, refuse("torch._C." + name))
+import flash_attn_hopper
+import flash_attn_hopper.interface
+import flash_attn_hopper.testing
+if sys.argv[1] == "transformers":
+    import flash_attn_hopper.integrations.transformers
+assert not torch.cuda.is_initialized(), "torch.cuda initialised by the import"
+print("imported", flash_attn_hopper.EXTENSION_LOADED)
+"""
+
+
+@pytest.mark.parametrize("what", ["library", pytest.param("transformers", marks=requires_transformers)])
+def test_import_makes_no_cuda_query(what):
+    """NVIDIA/TransformerEngine#872 ("import transformer_engine initializes CUDA": custom subprocess launchers then fail
+    with "Cannot re-initialize CUDA in forked subprocess"), deepspeedai/DeepSpeed#8078 (import-time
+    torch.cuda.is_available() / get_device_properties / get_device_capability each created a context; is_available
+    does so without setting torch.cuda.is_initialized(), so checking that flag alone is a false green) and
+    Dao-AILab/quack#85 (a device-capability query at module level). In a fresh interpreter, every torch.cuda entry
+    point that queries or initialises the driver is replaced by one that raises, then flash_attn_hopper, its interface
+    and testing modules (and the transformers integration) are imported: none may be called. (The GPU part runs the
+    library in a child forked after the import.)"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT, what], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0 and "imported" in r.stdout, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+
+
+# ------------------------------------------------------------------------------------ BM: module backward hooks
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, return_lse=False, varlen=None):
+        super().__init__()
+        self.return_lse, self.varlen = return_lse, varlen
+
+    def forward(self, q, k, v):
+        if self.varlen is not None:
+            cu_q, cu_k, max_q, max_k = self.varlen
+            return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+        return attention(q, k, v, causal=True, return_lse=self.return_lse)
+
+
+@pytest.mark.parametrize("case", ["out", "out_and_lse", "q_frozen", "pre_hook_scales", "varlen"])
+def test_module_full_backward_hooks(cpu_ops, case):
+    """pytorch/pytorch#139191 (full backward and forward hooks on nn.MultiheadAttention: a wrong branch and wrong
+    gradients), pytorch/pytorch#57944 (register_full_backward_hook crashed when the module's first input did not require
+    grad) and pooya-mohammadi/yolov5-gradcam#7 (BackwardHookFunction hands the module views of its inputs and
+    outputs: "Output 0 of BackwardHookFunctionBackward is a view"). Grad-CAM style tools and optimizers such as SINGD
+    hook attention modules so. An nn.Module calling the library, with register_full_backward_hook (and a forward hook),
+    GQA 4/2, causal: the leaves' gradients and the hook's grad_input must be the backward of the saved tensors bit for
+    bit, grad_output the loss's; returning (out, lse) with a loss through both; q not requiring grad (grad_input[0]
+    None); a full backward PRE-hook doubling grad_output (the op must take the doubled dO); attention_varlen."""
+    q, k, v = _randn(2, 70, 4, 64), _randn(2, 70, 2, 64), _randn(2, 70, 2, 64)
+    dout, dlse = _randn(2, 70, 4, 64), torch.randn(2, 4, 70)
+    varlen = None
+    if case == "varlen":
+        q, k, v, dout = q[0], k[0], v[0], dout[0]
+        cu = torch.tensor([0, 25, 70], dtype=torch.int32)
+        varlen = (cu, cu, 45, 45)
+    module = _Attention(return_lse=case == "out_and_lse", varlen=varlen)
+    seen = {}
+    module.register_forward_hook(lambda m, args, output: seen.update(forward=True))  # returns None: output kept
+    module.register_full_backward_hook(lambda m, grad_in, grad_out: seen.update(grad_in=grad_in, grad_out=grad_out))
+    if case == "pre_hook_scales":
+        module.register_full_backward_pre_hook(lambda m, grad_out: tuple(2 * g for g in grad_out))
+    leaves = [t.detach().clone().requires_grad_(not (case == "q_frozen" and i == 0)) for i, t in enumerate((q, k, v))]
+    result = module(*leaves)
+    if case == "out_and_lse":
+        out, lse = result
+        torch.autograd.backward([out, lse], [dout, dlse])
+    else:
+        torch.autograd.backward([result], [dout])
+    assert seen.get("forward"), "the forward hook did not run"
+    scale = 2 if case == "pre_hook_scales" else 1
+    if case == "varlen":
+        out, lse = _fwd_varlen_stand_in(q, k, v, cu, cu, 45, 45, 64**-0.5, True, -1, 0, 0.0, False)
+        want = _bwd_varlen_stand_in(scale * dout, q, k, v, out, lse, None, cu, cu, 45, 45, 64**-0.5, True, -1, 0,
+                                    0.0, False)
+    else:
+        want = _direct(q, k, v, scale * dout, dlse if case == "out_and_lse" else None)[2:]
+    if case == "q_frozen":
+        want = (None, *want[1:])
+    _assert_bitwise([leaf.grad for leaf in leaves], want, ("dq", "dk", "dv"), f"{case}: leaf gradients")
+    grad_in = list(seen["grad_in"])
+    if case == "q_frozen":
+        # PyTorch's own choice for an input that does not require grad (as for q * k + v): None or zeros
+        assert grad_in[0] is None or torch.equal(grad_in[0], torch.zeros_like(q)), "q_frozen: grad_input[0]"
+        grad_in[0] = None
+    _assert_bitwise(grad_in, want, ("dq", "dk", "dv"), f"{case}: the hook's grad_input")
+    assert torch.equal(seen["grad_out"][0], scale * dout), f"{case}: the hook's grad_output is not the loss's dO"
+
+
+# ---------------------------------------------------------------------------- BN: mutation on saved tensors
+
+
+@pytest.mark.parametrize("case", ["kv_cache", "q_projection", "out"])
+def test_allow_mutation_on_saved_tensors(cpu_ops, case):
+    """fla-org/flash-linear-attention#73 (a KV cache updated in place between the forward and the backward of an
+    attention layer: "one of the variables needed for gradient computation has been modified by an inplace operation")
+    and pytorch/pytorch#79056 (torch.autograd.graph.allow_mutation_on_saved_tensors, the context under which such a
+    write is allowed: a saved tensor is cloned before it is mutated, so the backward sees the forward's values).
+    The op's saved tensors (q, k, v, out, LSE) must take part: in the context, after
+    - "kv_cache": k and v views of two cache buffers, both buffers rewritten in place,
+    - "q_projection": q a non-leaf (x * 2) changed in place,
+    - "out": the returned out scaled in place (its saved copy feeds D = rowsum(dO ∘ O)),
+    the gradients are the stand-in backward of the forward's values, bit for bit. Outside the context the same writes
+    must raise autograd's version error (class H), never give other gradients."""
+    q, k, v, dout = _randn(2, 50, 4, 64), _randn(2, 50, 2, 64), _randn(2, 50, 2, 64), _randn(2, 50, 4, 64)
+    for allowed in (True, False):
+        x, kl, vl = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        k_cache, v_cache = torch.cat([k, _randn(2, 30, 2, 64)], 1), torch.cat([v, _randn(2, 30, 2, 64)], 1)
+        ctx = torch.autograd.graph.allow_mutation_on_saved_tensors() if allowed else contextlib.nullcontext()
+        try:
+            with ctx:
+                if case == "kv_cache":
+                    leaves, scale = [x], 1
+                    out = attention(x, k_cache[:, :50], v_cache[:, :50], causal=True)
+                    k_cache.copy_(torch.flip(k_cache, [1]))
+                    v_cache[:, :50].mul_(3)
+                elif case == "q_projection":
+                    leaves, scale = [x, kl, vl], 1
+                    q2 = x * 2
+                    out = attention(q2, kl, vl, causal=True)
+                    q2.add_(1)
+                else:
+                    leaves, scale = [x, kl, vl], 0.5
+                    out = attention(x, kl, vl, causal=True)
+                    out.mul_(0.5)
+                grads = torch.autograd.grad(out, leaves, dout)
+        except RuntimeError as e:
+            assert not allowed and "modified by an inplace operation" in str(e), f"{case} allowed={allowed}: {e}"
+            continue
+        assert allowed, f"{case}: the in-place write outside the context went unnoticed"
+        q_used = q * 2 if case == "q_projection" else q
+        want = _direct(q_used, k, v, scale * dout)[2:]
+        if case == "q_projection":
+            want = (2 * want[0], *want[1:])  # through q = x * 2 (exact in fp16)
+        _assert_bitwise(grads, want[:len(grads)], ("dq", "dk", "dv"), case)
+
+
+# ------------------------------------------------------------------------ BP: saved and loaded ExportedProgram
+
+
+class _Dense(torch.nn.Module):
+    def forward(self, q, k, v):
+        return attention(q, k, v, causal=True, return_lse=True)
+
+
+class _Documents(torch.nn.Module):
+    def forward(self, q, k, v, ids):
+        return attention(q, k, v, causal=True, document_ids=ids, return_lse=True)
+
+
+class _Varlen(torch.nn.Module):
+    def forward(self, q, k, v, cu_q, cu_k):
+        return attention_varlen(q, k, v, cu_q, cu_k, 100, 100, window_size=(30, 5), return_lse=True)
+
+
+def _export_cases():
+    q, k, v = _randn(2, 100, 4, 64), _randn(2, 120, 2, 64), _randn(2, 120, 2, 64)
+    runs = {
+        "dense": (_Dense(), [(q, k, v), (_randn(2, 77, 4, 64), _randn(2, 33, 2, 64), _randn(2, 33, 2, 64))]),
+        "documents": (_Documents(), [
+            (q, k[:, :100], v[:, :100], torch.repeat_interleave(torch.arange(3), torch.tensor([30, 50, 20])).expand(2, 100)),
+            (q, k[:, :100], v[:, :100], torch.repeat_interleave(torch.arange(2), torch.tensor([70, 30])).expand(2, 100))]),
+        "varlen": (_Varlen(), [
+            (q[0], k[0, :100], v[0, :100], torch.tensor([0, 40, 100], dtype=torch.int32),
+             torch.tensor([0, 60, 100], dtype=torch.int32)),
+            (q[0], k[0, :100], v[0, :100], torch.tensor([0, 90, 100], dtype=torch.int32),
+             torch.tensor([0, 10, 100], dtype=torch.int32))]),
+    }
+    return runs
+
+
+_LOAD_SCRIPT = r"""
+import sys
+import torch
+import flash_attn_hopper  # registers the ops: deserialisation needs them
+program = torch.export.load(sys.argv[1])
+targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+print("targets", targets)
+"""
+
+
+@pytest.mark.parametrize("case", ["dense", "documents", "varlen"])
+def test_exported_program_saved_and_loaded(cpu_ops, case, tmp_path):
+    """pytorch/pytorch#152029 (issue 151746: a custom op in an ExportedProgram could not be resolved when the saved
+    program was loaded) and Dao-AILab/flash-attention#431 (a scripted module calling flash attention could not be
+    saved and loaded). torch.export.save then torch.export.load of a program holding the op (dense with dynamic seqlen_q
+    / seqlen_k, packed documents, attention_varlen): the loaded program holds the op once and gives the eager module's
+    out and LSE bit for bit, at the export shapes and values and at others (new lengths, new documents, new
+    cu_seqlens); a fresh interpreter that imports flash_attn_hopper loads the file and finds the op."""
+    from torch.export import Dim, export
+
+    module, runs = _export_cases()[case]
+    dynamic = None
+    if case == "dense":
+        sq, sk = Dim("seqlen_q", min=2, max=4096), Dim("seqlen_k", min=2, max=4096)
+        dynamic = ({1: sq}, {1: sk}, {1: sk})
+    program = export(module, runs[0], dynamic_shapes=dynamic, strict=False)
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer)
+    op = torch.ops.flash_attn_hopper.fwd_varlen.default if case == "varlen" else torch.ops.flash_attn_hopper.fwd.default
+    targets = [n.target for n in loaded.graph.nodes if n.op == "call_function"]
+    assert targets.count(op) == 1, f"the loaded program does not hold {op} once: {targets}"
+    for i, args in enumerate(runs):
+        got, want = loaded.module()(*args), module(*args)
+        _assert_bitwise(got, want, ("out", "lse"), f"{case} run {i}")
+    path = tmp_path / f"{case}.pt2"
+    torch.export.save(program, str(path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(path)], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=ROOT)
+    assert r.returncode == 0 and str(op).split(".default")[0].split("ops.")[-1] in r.stdout, (
+        f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+
+
+# ------------------------------------------------------------------------------------ BQ: no warnings per step
+
+
+def test_training_step_emits_no_warning(cpu_ops):
+    """pytorch/pytorch#112773 (attention kernels warned on every call until made to warn once: "these logs can get
+    pretty spammy") and kijai/ComfyUI-WanVideoWrapper#36 (a per-call UserWarning of an attention wrapper). Test suites
+    and training scripts run with warnings as errors (-W error, filterwarnings = error), so a warning in the hot path
+    is a failure there. With every warning an error: a dense forward and backward (GQA, causal, loss through out and
+    LSE, deterministic, under torch.use_deterministic_algorithms too), packed documents, attention_varlen forward and
+    backward with rows past the last sequence, each twice (the cached second call)."""
+    q, k, v, dout = _randn(2, 60, 4, 64), _randn(2, 60, 2, 64), _randn(2, 60, 2, 64), _randn(2, 60, 4, 64)
+    ids = torch.repeat_interleave(torch.arange(2), torch.tensor([25, 35])).expand(2, 60)
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            out, lse = attention(*leaves, causal=True, return_lse=True, deterministic=True)
+            torch.autograd.backward([out, lse], [dout, torch.randn_like(lse)])
+            attention(q, k, v, causal=True, document_ids=ids)
+            vleaves = [t[0].detach().clone().requires_grad_(True) for t in (q, k, v)]
+            vout = attention_varlen(*vleaves, cu, cu, 30, 30, causal=True)
+            vout.backward(dout[0])
+            torch.use_deterministic_algorithms(True)
+            try:
+                attention(*leaves, causal=True).backward(dout)
+            finally:
+                torch.use_deterministic_algorithms(False)
+
+
+@requires_transformers
+def test_transformers_attention_forward_emits_no_warning(cpu_ops):
+    """The transformers integration's attention function (plain causal GQA, packed position_ids, a sliding window and
+    softcap) with every warning an error, twice each (pytorch/pytorch#112773, as above)."""
+    from flash_attn_hopper.integrations import transformers as fah_transformers
+
+    class Module(torch.nn.Module):
+        is_causal, layer_idx = True, 0
+
+    query, key, value = _randn(1, 4, 40, 64), _randn(1, 2, 40, 64), _randn(1, 2, 40, 64)
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).unsqueeze(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            fah_transformers.flash_attn_hopper_attention_forward(Module(), query, key, value, None)
+            fah_transformers.flash_attn_hopper_attention_forward(Module(), query, key, value, None, position_ids=pos)
+            fah_transformers.flash_attn_hopper_attention_forward(Module(), query, key, value, None, sliding_window=16,
+                                                                 softcap=30.0)
