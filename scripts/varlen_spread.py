@@ -5,12 +5,12 @@ inputs (a CPU-bound loop). If the graph replays are level and the eager varlen s
 is exposed in the eager timing.
 usage: varlen_spread.py [SEQLEN] [HEAD_DIM]"""
 import sys
-import time
 
 import torch
 import triton.testing
 
 import flash_attn_hopper as fah
+import host_overhead  # scripts/, this file's folder
 
 seqlen = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
 hd = int(sys.argv[2]) if len(sys.argv) > 2 else 128
@@ -25,14 +25,7 @@ def stats(ms, flops):
 
 
 def host_us(fn, iters=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+    return host_overhead.bench(fn, iters)  # a CPU-bound loop's wall time per call
 
 
 def calls(b, s, h, d, causal):
