@@ -396,6 +396,8 @@ def _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, determ
     if any(isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided)
            for t in (q, k, v, document_ids)):
         return None  # refused by the checks, by name (no shapes or strides to key on)
+    if q.dim() == 0 or k.dim() == 0 or v.dim() == 0:
+        return None  # refused by the rank check, by name (stride(-1) below would raise an IndexError)
     if (type(causal) is not bool or type(deterministic) is not bool or type(softcap) is not float
             or not (softmax_scale is None or type(softmax_scale) is float)
             or type(window_size) is not tuple or len(window_size) != 2

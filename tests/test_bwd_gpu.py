@@ -464,7 +464,8 @@ def _bwd_peak(q, k, v, dout, **kwargs):
 # Windows that hide no key (left >= seqlen_k - 1 and right >= seqlen_q - 1: 1100 tokens) count as no mask.
 _RULE_MASKS = {"none": {}, "causal": {"causal": True}, "window_right_only": {"window_size": (-1, 40)},
                "window": {"window_size": (300, 40)}, "window_wider": {"window_size": (5000, 5000)},
-               "window_hides_nothing": {"window_size": (1099, 1099)}}
+               "window_hides_nothing": {"window_size": (1099, 1099)},
+               "window_one_short": {"window_size": (1098, 1099)}}
 _RULE_UNMASKED = ("none", "window_wider", "window_hides_nothing")
 
 

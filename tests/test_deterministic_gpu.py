@@ -146,7 +146,7 @@ def test_deterministic_many_waves_gqa(head_dim, causal):
 @pytest.mark.parametrize("case", ["window", "causal", "varlen-gqa"])
 def test_deterministic_dq_lanes_head_dim_256(monkeypatch, lanes, case):
     """The head_dim 256 kernel's two dQ accumulator copies (flash/config.hpp bwd_dq_lanes, chosen by default only
-    without masks), forced on and off with FAH_BWD_DQ_LANES on masks, varlen and GQA: tiles seen by an odd number of
+    without masks or under a window that hides no key), forced on and off with FAH_BWD_DQ_LANES on masks, varlen and GQA: tiles seen by an odd number of
     key blocks (one lane has one more), empty and one-row sequences; bitwise equal over repeats and within the
     reference rule; a sequence without keys gets dQ = 0."""
     monkeypatch.setenv("FAH_BWD_DQ_LANES", lanes)
@@ -187,25 +187,31 @@ def test_deterministic_dq_lanes_head_dim_256(monkeypatch, lanes, case):
             assert_close_by_rule(g[s][None], r, n, f"lanes {lanes} varlen sequence {b} {gname}")
 
 
-@pytest.mark.parametrize("window", [(5000, 5000), (1999, 1999)], ids=["wider", "hides_nothing"])
-def test_deterministic_dq_lanes_window_hiding_nothing(monkeypatch, window):
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_k,window,lanes",
+    [(2000, 2000, (5000, 5000), "2"), (2000, 2000, (1999, 1999), "2"), (2000, 2000, (1998, 1999), "1"),
+     (2000, 2000, (1999, 1998), "1"), (1000, 2000, (1999, 999), "2"), (1000, 2000, (999, 1999), "1")],
+    ids=["wider", "hides_nothing", "left_one_short", "right_one_short", "sq_lt_sk_hides_nothing", "sq_lt_sk_swapped"])
+def test_deterministic_dq_lanes_window_hiding_nothing(monkeypatch, seqlen_q, seqlen_k, window, lanes):
     """A window that hides no key (left >= seqlen_k - 1, right >= seqlen_q - 1) takes the dQ accumulator copies of no
-    window (flash/config.hpp bwd_dq_lanes: two at head_dim 256 without a mask): dQ bitwise equal to that of the two
-    copies forced (FAH_BWD_DQ_LANES=2) and unequal to one copy's (which sums in another order), within the rule."""
+    window (flash/config.hpp bwd_dq_lanes: two at head_dim 256 without a mask), one that hides a key (one side one
+    short, or the sides swapped when seqlen_q < seqlen_k) one copy: dQ bitwise equal to that of the expected number
+    of copies forced (FAH_BWD_DQ_LANES) and unequal to the other's (which sums in another order), within the rule."""
     dtype = _built_dtype(256)
-    q, dout = (_randn(1, 2000, 4, 256, dtype=dtype) for _ in range(2))
-    k, v = (_randn(1, 2000, 4, 256, dtype=dtype) for _ in range(2))
+    q, dout = (_randn(1, seqlen_q, 4, 256, dtype=dtype) for _ in range(2))
+    k, v = (_randn(1, seqlen_k, 4, 256, dtype=dtype) for _ in range(2))
     grads = {}
-    for lanes in (None, "2", "1"):
-        if lanes is None:
+    for forced in (None, "2", "1"):
+        if forced is None:
             monkeypatch.delenv("FAH_BWD_DQ_LANES", raising=False)
         else:
-            monkeypatch.setenv("FAH_BWD_DQ_LANES", lanes)
+            monkeypatch.setenv("FAH_BWD_DQ_LANES", forced)
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         out = attention(*leaves, deterministic=True, window_size=window)
-        grads[lanes] = torch.autograd.grad(out, leaves, dout)
-    assert torch.equal(grads[None][0], grads["2"][0]), f"window {window}: dQ is not that of two accumulator copies"
-    assert not torch.equal(grads["1"][0], grads["2"][0]), "one and two copies gave dQ bitwise equal"
+        grads[forced] = torch.autograd.grad(out, leaves, dout)
+    other = "1" if lanes == "2" else "2"
+    assert torch.equal(grads[None][0], grads[lanes][0]), f"window {window}: dQ is not that of {lanes} copies"
+    assert not torch.equal(grads[other][0], grads[lanes][0]), "one and two copies gave dQ bitwise equal"
     ref = attention_ref_grads(q, k, v, dout, window_size=window)
     naive = attention_ref_grads(q, k, v, dout, upcast=False, window_size=window)
     for gname, a, r, n in zip(("dq", "dk", "dv"), grads[None], ref, naive):

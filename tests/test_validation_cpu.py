@@ -642,6 +642,21 @@ def test_varlen_cu_seqlens_not_contiguous():
         flash_attn_hopper.attention_varlen(q, k, v, strided, cu_k, 20, 20)
 
 
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_zero_dim_tensor_rank_error(which):
+    """A 0-dimensional q, k or v gets the rank error naming it from both entry points (the checked-call caches' keys
+    read stride(-1), which such a tensor does not have: an IndexError naming nothing, before the checks ran)."""
+    q, k, v = _qkv()
+    scalar = torch.tensor(1.0, dtype=q.dtype)
+    args = {"q": q, "k": k, "v": v, which: scalar}
+    with pytest.raises(ValueError, match=rf"^{which} must have rank 4"):
+        attention(args["q"], args["k"], args["v"])
+    q, k, v, cu_q, cu_k = _varlen_args()
+    args = {"q": q, "k": k, "v": v, which: scalar}
+    with pytest.raises(ValueError, match=rf"^{which} must have rank 3"):
+        flash_attn_hopper.attention_varlen(args["q"], args["k"], args["v"], cu_q, cu_k, 20, 20)
+
+
 def test_varlen_cu_seqlens_inference_mode_not_cached():
     with torch.inference_mode():
         cu = torch.tensor([0, 4, 9], dtype=torch.int32)
@@ -748,6 +763,12 @@ def test_varlen_checked_call_cache_never_skips_a_check(monkeypatch):
         flash_attn_hopper.attention_varlen(strided, k, v, cu_a, cu_a, 23, 23, causal=True, window_size=(16, 0))
     with pytest.raises(TypeError, match="dtype"):
         flash_attn_hopper.attention_varlen(q.float(), k, v, cu_a, cu_a, 23, 23, causal=True, window_size=(16, 0))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q must be contiguous"):  # cu_a's shape, another stride
+        strided_cu = torch.empty(6, dtype=torch.int32, device="meta")[::2]
+        flash_attn_hopper.attention_varlen(q, k, v, strided_cu, cu_a, 23, 23, causal=True, window_size=(16, 0))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k is on cpu but q is on meta"):  # cu_a's shape, on the CPU
+        flash_attn_hopper.attention_varlen(q, k, v, cu_a, torch.tensor([0, 17, 40], dtype=torch.int32), 23, 23,
+                                           causal=True, window_size=(16, 0))
     assert len(interface._CHECKED_VARLEN_CALLS) == 1
     # another max_seqlen is another signature: its checks run (and pass), its values are checked against it
     with pytest.raises(ValueError, match="max_seqlen_q is 16 but cu_seqlens_q holds a sequence of length 23"):
