@@ -20,8 +20,10 @@ def _load():
     candidates = sorted(glob.glob(os.path.join(_LIB_DIR, "_C*.so")))
     if not candidates:
         _load_error = (
-            "the flash_attn_hopper CUDA extension is not built; install with "
-            "`pip install --no-build-isolation .` on a machine with nvcc and the nvidia-cutlass wheel"
+            f"the flash_attn_hopper CUDA extension is not built (no _C*.so in {_LIB_DIR}); install with "
+            "`pip install --no-build-isolation .` on a machine with nvcc and the nvidia-cutlass wheel. If it is "
+            "installed, this import found the source tree first (run from another directory, or build in place with "
+            "`python setup.py build_ext --inplace`)"
         )
         return False
     try:

@@ -157,7 +157,7 @@ def _check_scale(softmax_scale, head_dim):
         # graph specialises on it and the op gets a plain float scale.
         return 1.0 / math.sqrt(int(head_dim))
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        raise TypeError(f"softmax_scale must be a real number (float or int) or None, got {type(softmax_scale).__name__}")
     softmax_scale = float(softmax_scale)
     # The kernel takes softmax_scale and softmax_scale * log2(e) as normal float32 values.
     if not (_FLOAT32_TINY <= softmax_scale <= _FLOAT32_MAX / math.log2(math.e)):

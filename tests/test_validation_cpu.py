@@ -278,7 +278,7 @@ def test_softmax_scale_not_finite_or_not_positive(bad):
     "bad", ["0.125", True, torch.tensor(0.125), [0.125], 1 + 2j], ids=["str", "bool", "tensor", "list", "complex"]
 )
 def test_softmax_scale_wrong_type(bad):
-    with pytest.raises(TypeError, match=r"^softmax_scale must be a float or None, got " + type(bad).__name__):
+    with pytest.raises(TypeError, match=r"^softmax_scale must be a real number \(float or int\) or None, got " + type(bad).__name__):
         attention(*_qkv(), softmax_scale=bad)
 
 
