@@ -29,6 +29,7 @@ import torch
 
 from flash_attn_hopper import _ops, attention, attention_varlen, interface
 from flash_attn_hopper.testing import attention_ref, attention_varlen_ref
+from cpu_stand_ins import ops_on_cpu
 
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:.*torch.jit.trace.*deprecated")
 requires_transformers = pytest.mark.skipif(
@@ -57,22 +58,8 @@ def cpu_ops(monkeypatch):
     """The ops run on the CPU (stand-ins above); device checks pass; no call is in the checked-call cache; the build
     query has run (its cache is full, as after any earlier call: test_first_call_of_the_process_inside_a_jit_trace
     empties it)."""
-    if not _ops.EXTENSION_LOADED:
-        pytest.skip(f"the extension is needed for its op schemas: {_ops._load_error}")
-    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
-    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
-    # the stand-ins run every head_dim and dtype, whatever this build compiled (FAH_HDIMS / FAH_DTYPES)
-    monkeypatch.setattr(interface, "_check_compiled", lambda *args: None)
-    monkeypatch.setattr(interface, "_capturing", lambda device: False)  # (a CUDA query)
-    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
-    monkeypatch.setattr(interface, "_DOCUMENT_BOUNDS", interface._ValueNotes())
-    _ops._compiled()
-    lib = torch.library.Library("flash_attn_hopper", "IMPL")
-    lib.impl("fwd", _fwd_stand_in, "CPU")
-    lib.impl("fwd_varlen", _fwd_varlen_stand_in, "CPU")
-    yield
-    lib._destroy()
-    _ops._compiled.cache_clear()
+    with ops_on_cpu(monkeypatch, {"fwd": _fwd_stand_in, "fwd_varlen": _fwd_varlen_stand_in}, "its op schemas"):
+        yield
 
 
 def _ops_in(traced):

@@ -30,8 +30,9 @@ import pytest
 import torch
 
 import flash_attn_hopper
-from flash_attn_hopper import _ops, attention, attention_varlen, interface
+from flash_attn_hopper import attention, attention_varlen
 from flash_attn_hopper.testing import _scores, attention_ref, attention_varlen_ref, repeat_kv
+from cpu_stand_ins import ops_on_cpu
 
 requires_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -100,23 +101,10 @@ def _bwd_varlen_stand_in(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k
 def cpu_ops(monkeypatch):
     """The ops run on the CPU (stand-ins above), forward and backward through the extension's C++ autograd node;
     device checks pass; no call in the checked-call cache."""
-    if not _ops.EXTENSION_LOADED:
-        pytest.skip(f"the extension is needed for its op schemas and autograd node: {_ops._load_error}")
-    monkeypatch.setattr(interface, "_check_devices", lambda named: None)
-    monkeypatch.setattr(interface, "_check_sm90", lambda name, device: None)
-    # the stand-ins run every head_dim and dtype, whatever this build compiled (FAH_HDIMS / FAH_DTYPES)
-    monkeypatch.setattr(interface, "_check_compiled", lambda *args: None)
-    monkeypatch.setattr(interface, "_capturing", lambda device: False)  # (a CUDA query)
-    monkeypatch.setattr(interface, "_CHECKED_CALLS", {})
-    monkeypatch.setattr(interface, "_DOCUMENT_BOUNDS", interface._ValueNotes())
-    _ops._compiled()
-    lib = torch.library.Library("flash_attn_hopper", "IMPL")
-    lib.impl("fwd", _fwd_stand_in, "CPU")
-    lib.impl("bwd", _bwd_stand_in, "CPU")
-    lib.impl("fwd_varlen", _fwd_varlen_stand_in, "CPU")
-    lib.impl("bwd_varlen", _bwd_varlen_stand_in, "CPU")
-    yield
-    lib._destroy()
+    impls = {"fwd": _fwd_stand_in, "bwd": _bwd_stand_in, "fwd_varlen": _fwd_varlen_stand_in,
+             "bwd_varlen": _bwd_varlen_stand_in}
+    with ops_on_cpu(monkeypatch, impls, "its op schemas and autograd node"):
+        yield
 
 
 def _randn(*shape):
