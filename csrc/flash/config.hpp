@@ -213,9 +213,9 @@ inline int bwd_heads_per_cta(int head_dim, int seqlen_k, int batch, int nheads, 
 // 328 -> 360 (+10 %), 16384 +0.7 %, head_dim 128 4096 +2 % (less than a second copy's zero fill and read costs);
 // the two copies (call 4) 4096 327 -> 350 (+6.6 %). So: the head_dim 256 kernel, no causal mask, documents or
 // window that hides a key (full_rows), seqlen_k <= 8192 (a head's key blocks mostly co-resident), and the copy at
-// most 1 GiB (copy_bytes: one copy's size; it grows with the query rows). The choice changes dQ's bits (another summation order), never its
-// repeatability: the same call gives the same bits. FAH_BWD_DQ_LANES=1 or 2 forces either for that kernel
-// (tests/test_deterministic_gpu.py).
+// most 1 GiB (copy_bytes: one copy's size; it grows with the query rows). The choice changes dQ's bits (another
+// summation order), never its repeatability: the same call gives the same bits. FAH_BWD_DQ_LANES=1 or 2 forces
+// either for that kernel (tests/test_deterministic_gpu.py).
 inline int bwd_dq_lanes(int kernel_head_dim, bool deterministic, bool full_rows, int seqlen_k, int64_t copy_bytes) {
   if (!deterministic || kernel_head_dim <= 128) { return 1; }
   if (char const* v = std::getenv("FAH_BWD_DQ_LANES"); v != nullptr && (v[0] == '1' || v[0] == '2')) {
