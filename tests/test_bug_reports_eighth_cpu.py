@@ -87,6 +87,26 @@ def test_first_call_of_the_process_inside_a_jit_trace(cpu_ops):
 REPLAYS = {"longer": [0, 150, 300], "shorter": [0, 40, 120], "offset": [30, 90, 260]}
 
 
+def test_compiled_varlen_with_a_fixed_max_seqlen_compiles_once(cpu_ops):
+    """torch.compile(dynamic=True, fullgraph=True) of attention_varlen with a fixed upper bound as max_seqlen (the
+    README's advice: the op takes max_seqlen_q/k as int, so each new value would be a new graph): new sequence lengths,
+    sequence counts and token totals reuse the one graph, and every call returns the eager call's out and LSE."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    def f(q, k, v, cu):
+        return attention_varlen(q, k, v, cu, cu, 64, 64, causal=True, return_lse=True)
+
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    for lengths in ([5, 7], [9, 3], [4, 4, 11], [20, 1], [6, 30, 2], [1, 2, 3, 50]):
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        q, k, v = (torch.randn(sum(lengths), 2, 64).half() for _ in range(3))
+        got, want = compiled(q, k, v, cu), f(q, k, v, cu)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"lengths {lengths}: compiled != eager"
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for one max_seqlen"
+
+
 @pytest.mark.parametrize("replay", list(REPLAYS))
 def test_jit_trace_of_varlen_follows_new_cu_seqlens(cpu_ops, replay):
     """Trace attention_varlen with cu_seqlens ending at row 200 of 300 (a preallocated buffer), replay with other
