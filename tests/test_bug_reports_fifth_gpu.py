@@ -26,6 +26,7 @@ import torch
 
 from flash_attn_hopper import attention, attention_varlen
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads, attention_varlen_ref
+from attention_modules import Attention, AttentionVarlen
 from gpu_helpers import attention_inputs, bits, built_dtype, check_attention, check_attention_varlen
 from gpu_helpers import cu_seqlens, randn, require_built, run_attention
 from test_bug_reports_gpu import DTYPE_IDS, DTYPES, GRAD_NAMES, _leaves, _varlen_inputs
@@ -495,26 +496,6 @@ def test_lse_gradient_with_a_transposed_layout(api):
 # ---------------------------------------------------------------------------------------------------- torch.export
 
 
-class _DenseBlock(torch.nn.Module):
-    def forward(self, q, k, v):
-        return attention(q, k, v, causal=True, softcap=20.0, return_lse=True)
-
-
-class _DocumentsBlock(torch.nn.Module):
-    def forward(self, q, k, v, ids):
-        return attention(q, k, v, causal=True, document_ids=ids, return_lse=True)
-
-
-class _VarlenBlock(torch.nn.Module):
-    def __init__(self, max_seqlen_q, max_seqlen_k):
-        super().__init__()
-        self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
-
-    def forward(self, q, k, v, cu_q, cu_k):
-        return attention_varlen(q, k, v, cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k, window_size=(64, 0),
-                                return_lse=True)
-
-
 # https://github.com/Dao-AILab/flash-attention/issues/1332 (flash_attn's varlen_fwd could not be scripted, traced or
 # exported: "is currently not supported in Torchscript") and https://github.com/unslothai/unsloth/issues/7124 (an
 # attention path that torch.export could not go through)
@@ -533,17 +514,17 @@ def test_torch_export(case):
     dtype = built_dtype(head_dim)
     strict = case == "dense_strict"
     if case.startswith("dense"):
-        module, op = _DenseBlock(), torch.ops.flash_attn_hopper.fwd.default
+        module, op = Attention(causal=True, softcap=20.0, return_lse=True), torch.ops.flash_attn_hopper.fwd.default
         seqlen_q, seqlen_k = Dim("seqlen_q", min=2, max=4096), Dim("seqlen_k", min=2, max=4096)
         dynamic_shapes = ({1: seqlen_q}, {1: seqlen_k}, {1: seqlen_k})
         runs = [attention_inputs(2, sq, sk, 4, 2, head_dim, dtype)[:3] for sq, sk in ((300, 400), (77, 1025))]
     elif case == "documents":
-        module, op, dynamic_shapes = _DocumentsBlock(), torch.ops.flash_attn_hopper.fwd.default, None
+        module, op, dynamic_shapes = Attention(causal=True, return_lse=True), torch.ops.flash_attn_hopper.fwd.default, None
         ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 1, 250, 149])).expand(2, 500)
         runs = [(*attention_inputs(2, 500, 500, 4, 2, head_dim, dtype)[:3], ids.contiguous().to(DEVICE))]
     else:
         lengths = [([100, 0, 301, 57], [130, 40, 301, 3]), ([300, 58, 50, 50], [1, 300, 171, 2])]
-        module, op, dynamic_shapes = _VarlenBlock(301, 301), torch.ops.flash_attn_hopper.fwd_varlen.default, None
+        module, op, dynamic_shapes = AttentionVarlen(301, 301, window_size=(64, 0), return_lse=True), torch.ops.flash_attn_hopper.fwd_varlen.default, None
         q, k, v, _ = _varlen_inputs(*lengths[0], 4, 2, head_dim, dtype)
         runs = [(q, k, v, cu_seqlens(lq), cu_seqlens(lk)) for lq, lk in lengths]
         assert all(sum(lq) == q.shape[0] and sum(lk) == k.shape[0] for lq, lk in lengths)

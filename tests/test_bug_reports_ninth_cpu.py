@@ -32,6 +32,7 @@ import torch
 import flash_attn_hopper
 from flash_attn_hopper import attention, attention_varlen
 from flash_attn_hopper.testing import _scores, attention_ref, attention_varlen_ref, repeat_kv
+from attention_modules import Attention, AttentionVarlen
 from cpu_stand_ins import ops_on_cpu
 
 requires_transformers = pytest.mark.skipif(
@@ -288,29 +289,14 @@ def test_allow_mutation_on_saved_tensors(cpu_ops, case):
 # ------------------------------------------------------------------------ BP: saved and loaded ExportedProgram
 
 
-class _Dense(torch.nn.Module):
-    def forward(self, q, k, v):
-        return attention(q, k, v, causal=True, return_lse=True)
-
-
-class _Documents(torch.nn.Module):
-    def forward(self, q, k, v, ids):
-        return attention(q, k, v, causal=True, document_ids=ids, return_lse=True)
-
-
-class _Varlen(torch.nn.Module):
-    def forward(self, q, k, v, cu_q, cu_k):
-        return attention_varlen(q, k, v, cu_q, cu_k, 100, 100, window_size=(30, 5), return_lse=True)
-
-
 def _export_cases():
     q, k, v = _randn(2, 100, 4, 64), _randn(2, 120, 2, 64), _randn(2, 120, 2, 64)
     runs = {
-        "dense": (_Dense(), [(q, k, v), (_randn(2, 77, 4, 64), _randn(2, 33, 2, 64), _randn(2, 33, 2, 64))]),
-        "documents": (_Documents(), [
+        "dense": (Attention(causal=True, return_lse=True), [(q, k, v), (_randn(2, 77, 4, 64), _randn(2, 33, 2, 64), _randn(2, 33, 2, 64))]),
+        "documents": (Attention(causal=True, return_lse=True), [
             (q, k[:, :100], v[:, :100], torch.repeat_interleave(torch.arange(3), torch.tensor([30, 50, 20])).expand(2, 100)),
             (q, k[:, :100], v[:, :100], torch.repeat_interleave(torch.arange(2), torch.tensor([70, 30])).expand(2, 100))]),
-        "varlen": (_Varlen(), [
+        "varlen": (AttentionVarlen(100, 100, window_size=(30, 5), return_lse=True), [
             (q[0], k[0, :100], v[0, :100], torch.tensor([0, 40, 100], dtype=torch.int32),
              torch.tensor([0, 60, 100], dtype=torch.int32)),
             (q[0], k[0, :100], v[0, :100], torch.tensor([0, 90, 100], dtype=torch.int32),

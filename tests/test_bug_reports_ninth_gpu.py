@@ -30,6 +30,7 @@ import torch
 import flash_attn_hopper
 from flash_attn_hopper import attention, attention_varlen
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref_grads
+from attention_modules import Attention, AttentionVarlen
 from gpu_helpers import attention_inputs, bits, built_dtype, check_attention, check_attention_varlen
 from gpu_helpers import check_grads_where_required, cu_seqlens, randn
 
@@ -316,21 +317,6 @@ def test_deterministic_backward_with_key_blocks_no_query_sees():
 # ------------------------------------------------------------------------ BP: saved and loaded ExportedProgram
 
 
-class _Dense(torch.nn.Module):
-    def forward(self, q, k, v):
-        return attention(q, k, v, causal=True, softcap=20.0, return_lse=True)
-
-
-class _Documents(torch.nn.Module):
-    def forward(self, q, k, v, ids):
-        return attention(q, k, v, causal=True, document_ids=ids, return_lse=True)
-
-
-class _Varlen(torch.nn.Module):
-    def forward(self, q, k, v, cu_q, cu_k):
-        return attention_varlen(q, k, v, cu_q, cu_k, 301, 301, window_size=(64, 16), return_lse=True)
-
-
 @pytest.mark.parametrize("case", ["dense", "documents", "varlen"])
 def test_exported_program_saved_and_loaded(case):
     """pytorch/pytorch#152029 (issue 151746: a custom op in a saved ExportedProgram could not be resolved at load) and
@@ -344,17 +330,17 @@ def test_exported_program_saved_and_loaded(case):
     dtype = built_dtype(64)
     dynamic = None
     if case == "dense":
-        module, op = _Dense(), torch.ops.flash_attn_hopper.fwd.default
+        module, op = Attention(causal=True, softcap=20.0, return_lse=True), torch.ops.flash_attn_hopper.fwd.default
         sq, sk = Dim("seqlen_q", min=2, max=4096), Dim("seqlen_k", min=2, max=4096)
         dynamic = ({1: sq}, {1: sk}, {1: sk})
         runs = [attention_inputs(2, sq_, sk_, 4, 2, 64, dtype)[:3] for sq_, sk_ in ((300, 400), (77, 1025))]
     elif case == "documents":
-        module, op = _Documents(), torch.ops.flash_attn_hopper.fwd.default
+        module, op = Attention(causal=True, return_lse=True), torch.ops.flash_attn_hopper.fwd.default
         q, k, v, _ = attention_inputs(2, 500, 500, 4, 2, 64, dtype)
         runs = [(q, k, v, torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)).expand(2, 500).cuda())
                 for n in ([100, 1, 250, 149], [400, 100])]
     else:
-        module, op = _Varlen(), torch.ops.flash_attn_hopper.fwd_varlen.default
+        module, op = AttentionVarlen(301, 301, window_size=(64, 16), return_lse=True), torch.ops.flash_attn_hopper.fwd_varlen.default
         q, k, v, _ = attention_inputs(1, 458, 458, 4, 2, 64, dtype)
         runs = [(q[0], k[0], v[0], cu_seqlens(lq), cu_seqlens(lk))
                 for lq, lk in (([100, 0, 301, 57], [130, 40, 285, 3]), ([300, 58, 50, 50], [1, 300, 155, 2]))]
