@@ -573,9 +573,12 @@ def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def _check_max_seqlen(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
-    value = int(value)
+    # torch.compile: a maximum that changed between calls is a SymInt (the op takes SymInt): checked by range only,
+    # since int() or a type test would specialise the graph on its value
+    if not isinstance(value, torch.SymInt):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+        value = int(value)
     if not 0 <= value < 2**31:
         raise ValueError(f"{name} must be in [0, 2^31), got {value}")
     return value

@@ -88,9 +88,9 @@ REPLAYS = {"longer": [0, 150, 300], "shorter": [0, 40, 120], "offset": [30, 90, 
 
 
 def test_compiled_varlen_with_a_fixed_max_seqlen_compiles_once(cpu_ops):
-    """torch.compile(dynamic=True, fullgraph=True) of attention_varlen with a fixed upper bound as max_seqlen (the
-    README's advice: the op takes max_seqlen_q/k as int, so each new value would be a new graph): new sequence lengths,
-    sequence counts and token totals reuse the one graph, and every call returns the eager call's out and LSE."""
+    """torch.compile(dynamic=True, fullgraph=True) of attention_varlen with a fixed upper bound as max_seqlen (a
+    model's context length): new sequence lengths, sequence counts and token totals reuse the one graph, and every call
+    returns the eager call's out and LSE."""
     from torch._dynamo.testing import CompileCounter
 
     counter = CompileCounter()

@@ -398,3 +398,30 @@ def test_transformers_attention_forward_emits_no_warning(cpu_ops):
             fah_transformers.flash_attn_hopper_attention_forward(Module(), query, key, value, None, position_ids=pos)
             fah_transformers.flash_attn_hopper_attention_forward(Module(), query, key, value, None, sliding_window=16,
                                                                  softcap=30.0)
+
+
+def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
+    """torch.compile(dynamic=True, fullgraph=True, aot_eager) of attention_varlen with a new max_seqlen on every call
+    (the longest sequence of each batch): the varlen ops take max_seqlen_q/k as SymInt, so one graph serves every
+    maximum, and the loss and the gradients (through the C++ autograd node, traced with symbolic maxima) are the eager
+    call's bit for bit. With int in the schemas every maximum was a graph of its own."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def f(q, k, v, cu, longest):
+        out, lse = attention_varlen(q, k, v, cu, cu, longest, longest, causal=True, return_lse=True)
+        return out.float().sum() + lse.sum()
+
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    for lengths in ([5, 7], [9, 3], [4, 4, 11], [20, 1], [6, 30, 2], [1, 2, 3, 50]):
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        base = [_randn(sum(lengths), 2, 64) for _ in range(3)]
+        runs = []
+        for fn in (compiled, f):
+            leaves = [t.clone().requires_grad_(True) for t in base]
+            loss = fn(*leaves, cu, max(lengths))
+            loss.backward()
+            runs.append((loss, *(t.grad for t in leaves)))
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {6} maxima"

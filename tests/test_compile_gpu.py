@@ -140,6 +140,42 @@ def test_compile_varlen_fullgraph():
     assert torch.equal(compiled(q, k, v), f(q, k, v))
 
 
+def test_compile_varlen_new_max_seqlen_one_graph():
+    """torch.compile(dynamic=True, fullgraph=True) with inductor, a new max_seqlen_q/k on every call (the longest
+    sequence of each batch, as a collator passes it): one graph for every maximum (the varlen ops take them as
+    SymInt), and out, LSE, dQ, dK, dV are the eager call's bit for bit (deterministic=True, so dQ's order is fixed)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    head_dim, dtype = _built_head_dim()
+    counter = CompileCounterWithBackend("inductor")
+
+    def f(q, k, v, cu_q, cu_k, max_q, max_k):
+        return flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True,
+                                                  deterministic=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    batches = [([77, 130, 5], [10, 200, 60]), ([300, 1], [129, 1]), ([0, 513, 64, 2], [700, 513, 0, 3]),
+               ([1000], [1000]), ([17, 257], [300, 33])]
+    for lengths_q, lengths_k in batches:
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                      for n in (lengths_q, lengths_k))
+        # 3 heads: no size of the first call equal to another (dynamo would tie them and recompile when they part)
+        base = [torch.randn(sum(n), 3, head_dim, device="cuda", dtype=dtype) for n in (lengths_q, lengths_k,
+                                                                                         lengths_k)]
+        dout = torch.randn_like(base[0])
+        dlse = torch.randn(3, sum(lengths_q), device="cuda")
+        runs = []
+        for fn in (compiled, f):
+            leaves = [t.clone().requires_grad_(True) for t in base]
+            out, lse = fn(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k))
+            grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+            runs.append((out, lse, *grads))
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+            assert torch.equal(a, b), f"lengths {lengths_q}/{lengths_k}: compiled {name} != eager"
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(batches)} maxima"
+
+
 # The exponent's scale times log2(e) reaches the kernels as a float32 that must be normal and positive: the ops
 # themselves reject a softmax_scale that rounds to 0 or a softcap that overflows there (the Python API stops both
 # earlier, with a ValueError), for the forward and the backward alike, before any launch.

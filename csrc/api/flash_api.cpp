@@ -674,13 +674,15 @@ using BwdOpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(at::Tensor const
                                                                 std::optional<at::Tensor> const&, double, bool,
                                                                 int64_t, int64_t, double, bool,
                                                                 std::optional<at::Tensor> const&);
+// max_seqlen_q/k are SymInt in the varlen schemas (torch.compile keeps them symbolic instead of a graph per value);
+// the autograd kernels pass them on as SymInt, the CUDA kernels take them as int64_t (always concrete there).
 using FwdVarlenOpSig = std::tuple<at::Tensor, at::Tensor>(at::Tensor const&, at::Tensor const&, at::Tensor const&,
-                                                          at::Tensor const&, at::Tensor const&, int64_t, int64_t,
-                                                          double, bool, int64_t, int64_t, double, bool);
+                                                          at::Tensor const&, at::Tensor const&, c10::SymInt,
+                                                          c10::SymInt, double, bool, int64_t, int64_t, double, bool);
 using BwdVarlenOpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     at::Tensor const&, at::Tensor const&, at::Tensor const&, at::Tensor const&, at::Tensor const&, at::Tensor const&,
-    std::optional<at::Tensor> const&, at::Tensor const&, at::Tensor const&, int64_t, int64_t, double, bool, int64_t,
-    int64_t, double, bool);
+    std::optional<at::Tensor> const&, at::Tensor const&, at::Tensor const&, c10::SymInt, c10::SymInt, double, bool,
+    int64_t, int64_t, double, bool);
 
 template <class Sig>
 c10::TypedOperatorHandle<Sig> find_op(char const* name) {
@@ -763,8 +765,8 @@ struct AttentionAutograd : public torch::autograd::Function<AttentionAutograd> {
 
 struct AttentionVarlenAutograd : public torch::autograd::Function<AttentionVarlenAutograd> {
   static variable_list forward(AutogradContext* ctx, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
-                               at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
+                               at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k, c10::SymInt max_seqlen_q,
+                               c10::SymInt max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
                                int64_t window_right, double softcap, bool deterministic) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] = fwd_varlen_op()
@@ -784,7 +786,7 @@ struct AttentionVarlenAutograd : public torch::autograd::Function<AttentionVarle
     ScoreArgs const a = ScoreArgs::load(ctx);
     auto [dq, dk, dv] = bwd_varlen_op()
                             .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dlse, saved[5], saved[6],
-                                  ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
+                                  ctx->saved_data["max_seqlen_q"].toSymInt(), ctx->saved_data["max_seqlen_k"].toSymInt(),
                                   a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
                                   a.deterministic);
     variable_list grads_in(13);  // one per forward argument; only q, k, v are differentiable
@@ -824,8 +826,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen_autograd(
     at::Tensor const& dout, at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& out,
     at::Tensor const& lse, std::optional<at::Tensor> const& dlse, at::Tensor const& cu_seqlens_q,
-    at::Tensor const& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
+    at::Tensor const& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
   auto g = NoDoubleBackward::apply(&bwd_varlen_op(), dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
                                    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                                    softcap, deterministic);
@@ -843,7 +845,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(at::Tensor const& q, at::Tensor 
 
 std::tuple<at::Tensor, at::Tensor> fwd_varlen_autograd(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v,
                                                        at::Tensor const& cu_seqlens_q, at::Tensor const& cu_seqlens_k,
-                                                       int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                                       c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                                                        double softmax_scale, bool causal, int64_t window_left,
                                                        int64_t window_right, double softcap, bool deterministic) {
   auto outs = AttentionVarlenAutograd::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -862,12 +864,12 @@ TORCH_LIBRARY(flash_attn_hopper, m) {
       " bool causal, int window_left, int window_right, float softcap, bool deterministic,"
       " Tensor? doc_bounds=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
-      "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q,"
-      " int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap,"
+      "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q,"
+      " SymInt max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap,"
       " bool deterministic) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse,"
-      " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale,"
+      " Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale,"
       " bool causal, int window_left, int window_right, float softcap, bool deterministic)"
       " -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("build_config() -> str", &build_config);
