@@ -573,8 +573,8 @@ def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def _check_max_seqlen(name, value):
-    # torch.compile: a maximum that changed between calls is a SymInt (the op takes SymInt): checked by range only,
-    # since int() or a type test would specialise the graph on its value
+    # torch.compile: a maximum that changed between calls is a SymInt (the op takes SymInt), checked by its range
+    # only, which guards the graph on the range and not on the value
     if not isinstance(value, torch.SymInt):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
@@ -680,8 +680,8 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on q's device, non-decreasing row offsets (usually starting
             at 0); zero-length sequences are allowed on either side. Rows past ``cu_seqlens_q[-1]`` (or ``[-1]`` of k)
             belong to no sequence.
-        max_seqlen_q, max_seqlen_k: Python ints, at least the longest query / key sequence (larger is allowed; it
-            sizes the launch grid).
+        max_seqlen_q, max_seqlen_k: Python ints (SymInts under torch.compile, where a new value reuses the graph), at
+            least the longest query / key sequence (larger is allowed; it sizes the launch grid).
         softmax_scale, causal, window_size, softcap, return_lse, deterministic: as ``attention``.
 
     Returns:
@@ -704,9 +704,10 @@ def attention_varlen(
     the layers of a model step reuse the check); under torch.compile and inside a CUDA graph capture (where a replay
     reads the boundaries it finds on the device) that check is skipped and the values are trusted; torch.jit.trace
     checks the values of the call it traces, and its replays trust theirs (no Python check runs in a replay, only
-    the op's). max_seqlen_q/k, Python ints, are constants of such a graph: trace or capture with upper bounds. Where
-    the values are trusted, rows past the last sequence must hold finite values (a last partial tile loads them). In
-    every mode the tokens of one sequence must be finite for its neighbours' results to be (the same reason).
+    the op's). max_seqlen_q/k are constants of a trace or a capture (trace or capture with upper bounds); under
+    torch.compile they stay symbolic. Where the values are trusted, rows past the last sequence must hold finite
+    values (a last partial tile loads them). In every mode the tokens of one sequence must be finite for its
+    neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     return_lse = _check_bool("return_lse", return_lse)  # outside the checked-call cache, as in ``attention``

@@ -75,8 +75,22 @@ def _bwd_stand_in(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_l
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+# (op, max_seqlen_q, max_seqlen_k) as the varlen stand-ins received them: a test reads what a compiled graph handed the op
+VARLEN_MAXIMA = []
+
+
+def _record_maxima(op, cu_q, cu_k, max_q, max_k):
+    """The kernels' contract: each maximum bounds its side's longest sequence (a smaller one leaves rows unwritten)."""
+    VARLEN_MAXIMA.append((op, max_q, max_k))
+    for side, cu, bound in (("q", cu_q, max_q), ("k", cu_k, max_k)):
+        longest = int(cu.diff().max()) if cu.numel() > 1 else 0
+        if bound < longest:
+            raise RuntimeError(f"{op}: max_seqlen_{side} {bound} below the longest sequence {longest}")
+
+
 def _fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap,
                          deterministic):
+    _record_maxima("fwd_varlen", cu_q, cu_k, max_q, max_k)
     out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
                                     window_size=(window_left, window_right), softcap=softcap)
     return out.to(q.dtype), lse
@@ -85,6 +99,7 @@ def _fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causa
 def _bwd_varlen_stand_in(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left,
                          window_right, softcap, deterministic):
     """The dense stand-in per sequence (batch 1 views); rows and keys outside the sequences get 0."""
+    _record_maxima("bwd_varlen", cu_q, cu_k, max_q, max_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(len(cq) - 1):
@@ -402,9 +417,10 @@ def test_transformers_attention_forward_emits_no_warning(cpu_ops):
 
 def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
     """torch.compile(dynamic=True, fullgraph=True, aot_eager) of attention_varlen with a new max_seqlen on every call
-    (the longest sequence of each batch): the varlen ops take max_seqlen_q/k as SymInt, so one graph serves every
-    maximum, and the loss and the gradients (through the C++ autograd node, traced with symbolic maxima) are the eager
-    call's bit for bit. With int in the schemas every maximum was a graph of its own."""
+    (mostly the longest sequence of each batch, once a bound past the token total): the varlen ops take max_seqlen_q/k
+    as SymInt, so one graph serves every maximum; the forward and backward ops receive this call's maximum, and the
+    loss and the gradients (through the C++ autograd node, traced with symbolic maxima) are the eager call's bit for
+    bit. With int in the schemas every maximum was a graph of its own."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
@@ -414,14 +430,19 @@ def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
         return out.float().sum() + lse.sum()
 
     compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
-    for lengths in ([5, 7], [9, 3], [4, 4, 11], [20, 1], [6, 30, 2], [1, 2, 3, 50]):
+    # maxima out of order (a graph that kept an earlier one is caught either way) and one above the token total
+    for lengths, bound in (([5, 7], 7), ([9, 3], 9), ([4, 4, 11], 11), ([20, 1], 20), ([6, 30, 2], 300),
+                           ([1, 2, 3, 50], 50), ([2, 6], 6)):
         cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
         base = [_randn(sum(lengths), 2, 64) for _ in range(3)]
         runs = []
         for fn in (compiled, f):
             leaves = [t.clone().requires_grad_(True) for t in base]
-            loss = fn(*leaves, cu, max(lengths))
+            VARLEN_MAXIMA.clear()
+            loss = fn(*leaves, cu, bound)
             loss.backward()
             runs.append((loss, *(t.grad for t in leaves)))
+            assert VARLEN_MAXIMA == [("fwd_varlen", bound, bound), ("bwd_varlen", bound, bound)], (
+                f"lengths {lengths}: the ops got {VARLEN_MAXIMA}, not max_seqlen {bound}")
         assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
-    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {6} maxima"
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for 7 maxima"
