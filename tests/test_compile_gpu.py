@@ -142,8 +142,9 @@ def test_compile_varlen_fullgraph():
 
 def test_compile_varlen_new_max_seqlen_one_graph():
     """torch.compile(dynamic=True, fullgraph=True) with inductor, a new max_seqlen_q/k on every call (the longest
-    sequence of each batch, as a collator passes it): one graph for every maximum (the varlen ops take them as
-    SymInt), and out, LSE, dQ, dK, dV are the eager call's bit for bit (deterministic=True, so dQ's order is fixed)."""
+    sequence of each batch, as a collator passes it, and once bounds past the token totals): one graph for every
+    maximum (the varlen ops take them as SymInt), and out, LSE, dQ, dK, dV are the eager call's bit for bit
+    (deterministic=True, so dQ's order is fixed)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     head_dim, dtype = _built_head_dim()
@@ -155,9 +156,11 @@ def test_compile_varlen_new_max_seqlen_one_graph():
 
     torch._dynamo.reset()
     compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
-    batches = [([77, 130, 5], [10, 200, 60]), ([300, 1], [129, 1]), ([0, 513, 64, 2], [700, 513, 0, 3]),
-               ([1000], [1000]), ([17, 257], [300, 33])]
-    for lengths_q, lengths_k in batches:
+    # (lengths_q, lengths_k, max_seqlen_q, max_seqlen_k): the longest sequences, once bounds past the token totals
+    batches = [([77, 130, 5], [10, 200, 60], 130, 200), ([300, 1], [129, 1], 300, 129),
+               ([0, 513, 64, 2], [700, 513, 0, 3], 513, 700), ([1000], [1000], 1000, 1000),
+               ([17, 257], [300, 33], 2048, 4096)]
+    for lengths_q, lengths_k, max_q, max_k in batches:
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                       for n in (lengths_q, lengths_k))
         # 3 heads: no size of the first call equal to another (dynamo would tie them and recompile when they part)
@@ -168,7 +171,7 @@ def test_compile_varlen_new_max_seqlen_one_graph():
         runs = []
         for fn in (compiled, f):
             leaves = [t.clone().requires_grad_(True) for t in base]
-            out, lse = fn(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k))
+            out, lse = fn(*leaves, cu_q, cu_k, max_q, max_k)
             grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
             runs.append((out, lse, *grads))
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
