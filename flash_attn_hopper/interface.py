@@ -124,6 +124,28 @@ def _check_fwd_tiles(batch, nheads, seqlen_q, names, launches=True):
         )
 
 
+def _guard_or_false(cond):
+    """torch.fx.experimental.symbolic_shapes.guard_or_false, reached only under torch.compile (which has loaded that
+    module; a plain import of the library does not, it brings in sympy): a condition on a value the trace does not
+    have (a maximum computed from data) is False instead of an error."""
+    return torch.fx.experimental.symbolic_shapes.guard_or_false(cond)
+
+
+def _check_fwd_tiles_compiling(batch, nheads, seqlen_q, rows_k, max_seqlen_k, names):
+    """_check_fwd_tiles for attention_varlen under torch.compile, where a maximum may come from data (.item() in the
+    compiled code, see _check_max_seqlen) and a Python comparison on it would need its value at trace time. What the
+    trace can decide raises the ValueError as in eager; the rest becomes a runtime assertion of the graph (assuming a
+    launch: a call past the tile limit with no keys at all is refused at run time too)."""
+    tiles = -(-seqlen_q // _FWD_TILE_ROWS) * nheads * batch
+    if _guard_or_false(tiles > _MAX_FWD_TILES):
+        if _guard_or_false(rows_k > 0) and _guard_or_false(max_seqlen_k > 0):
+            _check_fwd_tiles(batch, nheads, seqlen_q, names)
+    elif not _guard_or_false(tiles <= _MAX_FWD_TILES):
+        torch._check(tiles <= _MAX_FWD_TILES, lambda: (
+            "attention_varlen: more than 2^31 - 1025 forward tiles (sequences x nheads x query row blocks; int32 "
+            "tile numbers): split the call"))
+
+
 def _check_devices(named_devices):
     """named_devices: [(name, torch.device)]. Raises ValueError unless all are the same CUDA device."""
     for name, dev in named_devices:
@@ -573,12 +595,18 @@ def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def _check_max_seqlen(name, value):
-    # torch.compile: a maximum that changed between calls is a SymInt (the op takes SymInt), checked by its range
-    # only, which guards the graph on the range and not on the value
-    if not isinstance(value, torch.SymInt):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
-        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if torch.compiler.is_compiling():
+        # the op takes SymInt, so a maximum that changes between calls stays symbolic (checked by range, not value);
+        # one computed from data in the compiled code (.item() with capture_scalar_outputs) has no value at trace
+        # time: its range becomes a runtime assertion of the graph (torch._check); a known value out of range still
+        # raises the ValueError below
+        if not (_guard_or_false(value < 0) or _guard_or_false(value >= 2**31)):
+            torch._check(value >= 0, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
+            torch._check(value < 2**31, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
+            return value
+    value = int(value)
     if not 0 <= value < 2**31:
         raise ValueError(f"{name} must be in [0, 2^31), got {value}")
     return value
@@ -741,8 +769,12 @@ def attention_varlen(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
-                         tile_names + ("min(max_seqlen_q, q's rows)",), launches=k.shape[0] > 0 and max_seqlen_k > 0)
+        if torch.compiler.is_compiling():
+            _check_fwd_tiles_compiling(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
+                                       k.shape[0], max_seqlen_k, tile_names + ("min(max_seqlen_q, q's rows)",))
+        else:  # torch.jit.trace (q.shape[0] is a tensor there) or a CUDA graph capture
+            _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
+                             tile_names + ("min(max_seqlen_q, q's rows)",), launches=k.shape[0] > 0 and max_seqlen_k > 0)
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
     # Rows past the last sequence belong to none (a preallocated buffer may hold anything there): the kernels get views

@@ -446,3 +446,43 @@ def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
                 f"lengths {lengths}: the ops got {VARLEN_MAXIMA}, not max_seqlen {bound}")
         assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for 7 maxima"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_varlen_max_seqlen_from_data(cpu_ops, backend):
+    """A maximum computed inside the compiled code from cu_seqlens (`.item()` under capture_scalar_outputs, as code
+    written for eager FlashAttention does) has no value at trace time. Before session 43 the range check of
+    max_seqlen and the tile-count check compared it in Python, and fullgraph compilation stopped with "Could not guard
+    on data-dependent expression". Now: one graph for every batch, both ops receive this call's maximum, and out, LSE
+    and the gradients are the eager call's bit for bit; a maximum out of range is refused at run time by the graph's
+    assertion, before any op runs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend(backend)
+
+    def f(q, k, v, cu, offset):
+        longest = int(cu.diff().max().item()) + offset
+        return attention_varlen(q, k, v, cu, cu, longest, longest, causal=True, return_lse=True)
+
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for lengths in ([5, 7], [9, 3], [4, 4, 11], [1, 30]):
+            cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+            base = [_randn(sum(lengths), 2, 64) for _ in range(3)]
+            dout, dlse = _randn(sum(lengths), 2, 64), torch.randn(2, sum(lengths))
+            runs = []
+            for fn in (compiled, f):
+                leaves = [t.clone().requires_grad_(True) for t in base]
+                VARLEN_MAXIMA.clear()
+                out, lse = fn(*leaves, cu, 0)
+                grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+                longest = max(lengths)
+                assert VARLEN_MAXIMA == [("fwd_varlen", longest, longest), ("bwd_varlen", longest, longest)], (
+                    f"lengths {lengths}: the ops got {VARLEN_MAXIMA}")
+                runs.append((out, lse, *grads))
+            assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
+        assert counter.frame_count == 1, f"{counter.frame_count} graphs for 4 maxima from data"
+        VARLEN_MAXIMA.clear()
+        with pytest.raises(RuntimeError):
+            compiled(*[_randn(12, 2, 64) for _ in range(3)], torch.tensor([0, 5, 12], dtype=torch.int32), -100)
+        assert VARLEN_MAXIMA == [], "a negative maximum reached the op"
