@@ -28,8 +28,7 @@ import pytest
 import torch
 
 from flash_attn_hopper import _ops, attention, attention_varlen, interface
-from flash_attn_hopper.testing import attention_ref, attention_varlen_ref
-from cpu_stand_ins import ops_on_cpu
+from cpu_stand_ins import fwd_stand_in, fwd_varlen_stand_in, stand_ins
 
 pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:.*torch.jit.trace.*deprecated")
 requires_transformers = pytest.mark.skipif(
@@ -38,27 +37,12 @@ requires_transformers = pytest.mark.skipif(
 )
 
 
-def _fwd_stand_in(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None):
-    # doc_bounds[..., 0] (each position's document start) is a valid document_ids tensor of the same documents
-    ids = None if doc_bounds is None else doc_bounds[..., 0]
-    out, lse = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                             softcap=softcap, document_ids=ids)
-    return out.to(q.dtype), lse
-
-
-def _fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap,
-                         deterministic):
-    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
-                                    window_size=(window_left, window_right), softcap=softcap)
-    return out.to(q.dtype), lse
-
-
 @pytest.fixture
 def cpu_ops(monkeypatch):
-    """The ops run on the CPU (stand-ins above); device checks pass; no call is in the checked-call cache; the build
-    query has run (its cache is full, as after any earlier call: test_first_call_of_the_process_inside_a_jit_trace
+    """The ops run on the CPU (tests/cpu_stand_ins.py); device checks pass; no call is in the checked-call cache; the
+    build query has run (its cache is full, as after any earlier call: test_first_call_of_the_process_inside_a_jit_trace
     empties it)."""
-    with ops_on_cpu(monkeypatch, {"fwd": _fwd_stand_in, "fwd_varlen": _fwd_varlen_stand_in}, "its op schemas"):
+    with stand_ins(monkeypatch, "its op schemas"):
         yield
 
 
@@ -79,7 +63,7 @@ def test_first_call_of_the_process_inside_a_jit_trace(cpu_ops):
     traced = torch.jit.trace(lambda q, k, v: attention(q, k, v, causal=True), (q, k, v), check_trace=False)
     assert _ops_in(traced) == ["flash_attn_hopper::fwd"], _ops_in(traced)
     q2, k2, v2 = _dense(2, 77, 4, 2)
-    want = _fwd_stand_in(q2, k2, v2, 64**-0.5, True, -1, 0, 0.0, False)[0]
+    want = fwd_stand_in(q2, k2, v2, 64**-0.5, True, -1, 0, 0.0, False)[0]
     assert torch.equal(traced(q2, k2, v2), want)
 
 
@@ -121,7 +105,7 @@ def test_jit_trace_of_varlen_follows_new_cu_seqlens(cpu_ops, replay):
     traced = torch.jit.trace(f, (q, k, v, cu_trace), check_trace=False)
     cu = torch.tensor(REPLAYS[replay], dtype=torch.int32)
     out, lse = traced(q, k, v, cu)
-    want_out, want_lse = _fwd_varlen_stand_in(q, k, v, cu, cu, 300, 300, 64**-0.5, True, -1, 0, 0.0, False)
+    want_out, want_lse = fwd_varlen_stand_in(q, k, v, cu, cu, 300, 300, 64**-0.5, True, -1, 0, 0.0, False)
     assert out.shape == want_out.shape and lse.shape == want_lse.shape
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"{replay}: the trace kept trace-time lengths"
 
@@ -137,7 +121,7 @@ def test_jit_trace_of_documents_does_not_keep_cached_bounds(cpu_ops):
     traced = torch.jit.trace(lambda q, k, v, ids: attention(q, k, v, causal=True, document_ids=ids), (q, k, v, ids_a),
                              check_trace=False)
     got = traced(q, k, v, ids_b)
-    want = _fwd_stand_in(q, k, v, 64**-0.5, True, -1, 0, 0.0, False, interface.document_bounds(ids_b))[0]
+    want = fwd_stand_in(q, k, v, 64**-0.5, True, -1, 0, 0.0, False, interface.document_bounds(ids_b))[0]
     assert torch.equal(got, want), "the trace replayed the warm-up's documents"
 
 

@@ -12,10 +12,10 @@ machinery that other attention libraries were reported to break under:
   one);
 - BQ: no warning from a training step (a test suite or a training script run with warnings as errors).
 
-No GPU is needed: the device checks are replaced by no-ops and the ops get CPU kernels for the test: the forwards are
-the float32 references of flash_attn_hopper.testing rounded to the input dtype, and the backwards are written here
-from DESIGN.md §1 with P recomputed from the SAVED LSE and D from the SAVED out (as the kernels do), so a node handed
-the wrong saved tensors gives other gradients. Results are compared bit for bit with the stand-ins run directly on
+No GPU is needed: the device checks are replaced by no-ops and the ops get the CPU kernels of tests/cpu_stand_ins.py
+(the forwards: the float32 references rounded to the input dtype; the backwards: DESIGN.md §1 with P recomputed from
+the SAVED LSE and D from the SAVED out, as the kernels do, so a node handed the wrong saved tensors gives other
+gradients). Results are compared bit for bit with the stand-ins run directly on
 the values they should have been given."""
 
 import contextlib
@@ -31,9 +31,8 @@ import torch
 
 import flash_attn_hopper
 from flash_attn_hopper import attention, attention_varlen
-from flash_attn_hopper.testing import _scores, attention_ref, attention_varlen_ref, repeat_kv
 from attention_modules import Attention, AttentionVarlen
-from cpu_stand_ins import ops_on_cpu
+from cpu_stand_ins import CALLS, bwd_stand_in, bwd_varlen_stand_in, fwd_stand_in, fwd_varlen_stand_in, stand_ins
 
 requires_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -42,85 +41,17 @@ requires_transformers = pytest.mark.skipif(
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
 
 
-# --------------------------------------------------------------------------------------------- CPU stand-ins
-
-
-def _fwd_stand_in(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None):
-    ids = None if doc_bounds is None else doc_bounds[..., 0]  # each position's document start: valid document ids
-    out, lse = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                             softcap=softcap, document_ids=ids)
-    return out.to(q.dtype), lse
-
-
-def _bwd_stand_in(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
-                  deterministic, doc_bounds=None):
-    """dQ, dK, dV from the saved out and LSE (DESIGN.md §1): P = exp(S - LSE), D = rowsum(dO ∘ O) (- dLSE)."""
-    assert softcap == 0, "stand-in without softcap"
-    ids = None if doc_bounds is None else doc_bounds[..., 0]
-    qf, kf, vf, of, dof = (t.float() for t in (q, k, v, out, dout))
-    kr, vr = repeat_kv(kf, q.shape[2]), repeat_kv(vf, q.shape[2])
-    s = _scores(qf, kr, softmax_scale, causal, (window_left, window_right), softcap, ids)  # (b, h, q, k)
-    empty = torch.isneginf(lse).unsqueeze(-1)
-    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
-    d = (dof * of).sum(-1).transpose(1, 2)  # (b, h, q)
-    if dlse is not None:
-        d = d - dlse.float()
-    ds = p * (torch.einsum("bqhd,bkhd->bhqk", dof, vr) - d.unsqueeze(-1))
-    dq = softmax_scale * torch.einsum("bhqk,bkhd->bqhd", ds, kr)
-    dk = softmax_scale * torch.einsum("bhqk,bqhd->bkhd", ds, qf)
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
-    group = q.shape[2] // k.shape[2]
-    dk = dk.reshape(*k.shape[:3], group, k.shape[3]).sum(3)
-    dv = dv.reshape(*v.shape[:3], group, v.shape[3]).sum(3)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-# (op, max_seqlen_q, max_seqlen_k) as the varlen stand-ins received them: a test reads what a compiled graph handed the op
-VARLEN_MAXIMA = []
-
-
-def _record_maxima(op, cu_q, cu_k, max_q, max_k):
-    """The kernels' contract: each maximum bounds its side's longest sequence (a smaller one leaves rows unwritten)."""
-    VARLEN_MAXIMA.append((op, max_q, max_k))
-    for side, cu, bound in (("q", cu_q, max_q), ("k", cu_k, max_k)):
-        longest = int(cu.diff().max()) if cu.numel() > 1 else 0
-        if bound < longest:
-            raise RuntimeError(f"{op}: max_seqlen_{side} {bound} below the longest sequence {longest}")
-
-
-def _fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap,
-                         deterministic):
-    _record_maxima("fwd_varlen", cu_q, cu_k, max_q, max_k)
-    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
-                                    window_size=(window_left, window_right), softcap=softcap)
-    return out.to(q.dtype), lse
-
-
-def _bwd_varlen_stand_in(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left,
-                         window_right, softcap, deterministic):
-    """The dense stand-in per sequence (batch 1 views); rows and keys outside the sequences get 0."""
-    _record_maxima("bwd_varlen", cu_q, cu_k, max_q, max_k)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for b in range(len(cq) - 1):
-        (q0, q1), (k0, k1) = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
-        if q1 == q0 or k1 == k0:
-            continue
-        g = _bwd_stand_in(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-                          lse[None, :, q0:q1], None if dlse is None else dlse[None, :, q0:q1], softmax_scale, causal,
-                          window_left, window_right, softcap, deterministic)
-        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
-    return dq, dk, dv
-
-
 @pytest.fixture
 def cpu_ops(monkeypatch):
-    """The ops run on the CPU (stand-ins above), forward and backward through the extension's C++ autograd node;
-    device checks pass; no call in the checked-call cache."""
-    impls = {"fwd": _fwd_stand_in, "bwd": _bwd_stand_in, "fwd_varlen": _fwd_varlen_stand_in,
-             "bwd_varlen": _bwd_varlen_stand_in}
-    with ops_on_cpu(monkeypatch, impls, "its op schemas and autograd node"):
+    """The ops run on the CPU (tests/cpu_stand_ins.py), forward and backward through the extension's C++ autograd
+    node; device checks pass; no call in the checked-call cache."""
+    with stand_ins(monkeypatch):
         yield
+
+
+def _varlen_maxima():
+    """(op, max_seqlen_q, max_seqlen_k) of every varlen stand-in call since CALLS was emptied."""
+    return [(op, max_q, max_k) for op, _, max_q, max_k in CALLS if op.endswith("varlen")]
 
 
 def _randn(*shape):
@@ -129,8 +60,8 @@ def _randn(*shape):
 
 def _direct(q, k, v, dout, dlse=None, scale=64**-0.5, causal=True, window=(-1, 0)):
     """(out, lse, dq, dk, dv) of the stand-ins called directly on these values."""
-    out, lse = _fwd_stand_in(q, k, v, scale, causal, *window, 0.0, False)
-    return (out, lse, *_bwd_stand_in(dout, q, k, v, out, lse, dlse, scale, causal, *window, 0.0, False))
+    out, lse = fwd_stand_in(q, k, v, scale, causal, *window, 0.0, False)
+    return (out, lse, *bwd_stand_in(dout, q, k, v, out, lse, dlse, scale, causal, *window, 0.0, False))
 
 
 def _assert_bitwise(got, want, names, what):
@@ -236,8 +167,8 @@ def test_module_full_backward_hooks(cpu_ops, case):
     assert seen.get("forward"), "the forward hook did not run"
     scale = 2 if case == "pre_hook_scales" else 1
     if case == "varlen":
-        out, lse = _fwd_varlen_stand_in(q, k, v, cu, cu, 45, 45, 64**-0.5, True, -1, 0, 0.0, False)
-        want = _bwd_varlen_stand_in(scale * dout, q, k, v, out, lse, None, cu, cu, 45, 45, 64**-0.5, True, -1, 0,
+        out, lse = fwd_varlen_stand_in(q, k, v, cu, cu, 45, 45, 64**-0.5, True, -1, 0, 0.0, False)
+        want = bwd_varlen_stand_in(scale * dout, q, k, v, out, lse, None, cu, cu, 45, 45, 64**-0.5, True, -1, 0,
                                     0.0, False)
     else:
         want = _direct(q, k, v, scale * dout, dlse if case == "out_and_lse" else None)[2:]
@@ -438,12 +369,12 @@ def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
         runs = []
         for fn in (compiled, f):
             leaves = [t.clone().requires_grad_(True) for t in base]
-            VARLEN_MAXIMA.clear()
+            CALLS.clear()
             loss = fn(*leaves, cu, bound)
             loss.backward()
             runs.append((loss, *(t.grad for t in leaves)))
-            assert VARLEN_MAXIMA == [("fwd_varlen", bound, bound), ("bwd_varlen", bound, bound)], (
-                f"lengths {lengths}: the ops got {VARLEN_MAXIMA}, not max_seqlen {bound}")
+            assert _varlen_maxima() == [("fwd_varlen", bound, bound), ("bwd_varlen", bound, bound)], (
+                f"lengths {lengths}: the ops got {_varlen_maxima()}, not max_seqlen {bound}")
         assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for 7 maxima"
 
@@ -473,16 +404,16 @@ def test_compiled_varlen_max_seqlen_from_data(cpu_ops, backend):
             runs = []
             for fn in (compiled, f):
                 leaves = [t.clone().requires_grad_(True) for t in base]
-                VARLEN_MAXIMA.clear()
+                CALLS.clear()
                 out, lse = fn(*leaves, cu, 0)
                 grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
                 longest = max(lengths)
-                assert VARLEN_MAXIMA == [("fwd_varlen", longest, longest), ("bwd_varlen", longest, longest)], (
-                    f"lengths {lengths}: the ops got {VARLEN_MAXIMA}")
+                assert _varlen_maxima() == [("fwd_varlen", longest, longest), ("bwd_varlen", longest, longest)], (
+                    f"lengths {lengths}: the ops got {_varlen_maxima()}")
                 runs.append((out, lse, *grads))
             assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
         assert counter.frame_count == 1, f"{counter.frame_count} graphs for 4 maxima from data"
-        VARLEN_MAXIMA.clear()
+        CALLS.clear()
         with pytest.raises(RuntimeError):
             compiled(*[_randn(12, 2, 64) for _ in range(3)], torch.tensor([0, 5, 12], dtype=torch.int32), -100)
-        assert VARLEN_MAXIMA == [], "a negative maximum reached the op"
+        assert _varlen_maxima() == [], "a negative maximum reached the op"

@@ -12,9 +12,8 @@ is tests/test_bug_reports_tenth_gpu.py):
   mask materialised for a 96000-token sequence; https://github.com/karpathy/nanochat/issues/825: a sliding window built
   as a full (Tq, Tk) mask). Every tensor made outside the library's ops during a forward and backward is recorded.
 
-No GPU is needed: the device checks are replaced by no-ops and the ops get CPU kernels for the test: the forwards are
-the float32 references of flash_attn_hopper.testing rounded to the input dtype, and the backwards are written here from
-DESIGN.md §1 (P from the saved LSE, D from the saved out); both record the ``deterministic`` argument they receive."""
+No GPU is needed: the device checks are replaced by no-ops and the ops get the CPU kernels of tests/cpu_stand_ins.py
+(the float32 references; the backwards from DESIGN.md §1), which record the ``deterministic`` argument they receive."""
 
 import pytest
 import torch
@@ -22,92 +21,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from flash_attn_hopper import attention, attention_varlen
-from flash_attn_hopper.testing import attention_ref, attention_varlen_ref, document_mask, local_mask, repeat_kv
-from cpu_stand_ins import ops_on_cpu
-
-# (op name, deterministic) of every stand-in call, in order
-_SEEN = []
-
-
-# --------------------------------------------------------------------------------------------- CPU stand-ins
-
-
-def _fwd_stand_in(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None):
-    _SEEN.append(("fwd", deterministic))
-    ids = None if doc_bounds is None else doc_bounds[..., 0]  # each position's document start: valid document ids
-    out, lse = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                             softcap=softcap, document_ids=ids)
-    return out.to(q.dtype), lse
-
-
-def _grads(dout, q, k, v, out, lse, dlse, scale, causal, window, softcap, ids):
-    """dQ, dK, dV in float32 from the saved out and LSE (DESIGN.md §1): P = exp(S - LSE), D = rowsum(dO ∘ O) - dLSE,
-    dS = P ∘ (dP - D) (times 1 - tanh² under a softcap)."""
-    qf, kf, vf, of, dof = (t.float() for t in (q, k, v, out, dout))
-    kr, vr = repeat_kv(kf, q.shape[2]), repeat_kv(vf, q.shape[2])
-    x = torch.einsum("bqhd,bkhd->bhqk", qf, kr) * scale
-    s = softcap * torch.tanh(x / softcap) if softcap > 0 else x
-    visible = local_mask(q.shape[1], k.shape[1], window, causal)
-    if ids is not None:
-        visible = visible & document_mask(ids).unsqueeze(1)
-    s = s.masked_fill(~visible, float("-inf"))
-    empty = torch.isneginf(lse).unsqueeze(-1)
-    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
-    d = (dof * of).sum(-1).transpose(1, 2)
-    if dlse is not None:
-        d = d - dlse.float()
-    ds = p * (torch.einsum("bqhd,bkhd->bhqk", dof, vr) - d.unsqueeze(-1))
-    if softcap > 0:
-        ds = ds * (1 - torch.tanh(x / softcap) ** 2)
-    dq = scale * torch.einsum("bhqk,bkhd->bqhd", ds, kr)
-    dk = scale * torch.einsum("bhqk,bqhd->bkhd", ds, qf)
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
-    group = q.shape[2] // k.shape[2]
-    return dq, dk.reshape(*k.shape[:3], group, k.shape[3]).sum(3), dv.reshape(*v.shape[:3], group, v.shape[3]).sum(3)
-
-
-def _bwd_stand_in(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
-                  deterministic, doc_bounds=None):
-    _SEEN.append(("bwd", deterministic))
-    ids = None if doc_bounds is None else doc_bounds[..., 0]
-    g = _grads(dout, q, k, v, out, lse, dlse, softmax_scale, causal, (window_left, window_right), softcap, ids)
-    return tuple(t.to(q.dtype) for t in g)
-
-
-def _fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap,
-                         deterministic):
-    _SEEN.append(("fwd_varlen", deterministic))
-    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
-                                    window_size=(window_left, window_right), softcap=softcap)
-    return out.to(q.dtype), lse
-
-
-def _bwd_varlen_stand_in(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left,
-                         window_right, softcap, deterministic):
-    """The dense gradients per sequence; rows and keys outside the sequences get 0."""
-    _SEEN.append(("bwd_varlen", deterministic))
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for b in range(len(cq) - 1):
-        (q0, q1), (k0, k1) = (cq[b], cq[b + 1]), (ck[b], ck[b + 1])
-        if q1 == q0 or k1 == k0:
-            continue
-        g = _grads(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-                   lse[None, :, q0:q1], None if dlse is None else dlse[None, :, q0:q1], softmax_scale, causal,
-                   (window_left, window_right), softcap, None)
-        dq[q0:q1], dk[k0:k1], dv[k0:k1] = (t[0].to(q.dtype) for t in g)
-    return dq, dk, dv
+from cpu_stand_ins import CALLS, stand_ins
 
 
 @pytest.fixture
 def cpu_ops(monkeypatch):
-    """The ops run on the CPU (stand-ins above), forward and backward through the extension's C++ autograd node;
-    device checks pass; no call in the checked-call cache; _SEEN empty."""
-    impls = {"fwd": _fwd_stand_in, "bwd": _bwd_stand_in, "fwd_varlen": _fwd_varlen_stand_in,
-             "bwd_varlen": _bwd_varlen_stand_in}
-    _SEEN.clear()
-    with ops_on_cpu(monkeypatch, impls, "its op schemas and autograd node"):
+    """The ops run on the CPU (tests/cpu_stand_ins.py), forward and backward through the extension's C++ autograd
+    node; device checks pass; no call in the checked-call cache; no call recorded yet."""
+    with stand_ins(monkeypatch):
         yield
+
+
+def _seen():
+    """(op name, deterministic) of every stand-in call since CALLS was emptied, in order."""
+    return [(op, deterministic) for op, deterministic, _, _ in CALLS]
 
 
 def _half(*shape):
@@ -156,7 +83,7 @@ def _run(fn, tensors, mode_fwd, mode_bwd):
     """(stand-in calls, out, lse, dq, dk, dv) of one forward under mode_fwd and its backward under mode_bwd."""
     q, k, v, dout, dlse = tensors
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    _SEEN.clear()
+    CALLS.clear()
     try:
         torch.use_deterministic_algorithms(mode_fwd)
         out, lse = fn(*leaves)
@@ -164,7 +91,7 @@ def _run(fn, tensors, mode_fwd, mode_bwd):
         grads = torch.autograd.grad([out, lse], leaves, [dout, dlse])
     finally:
         torch.use_deterministic_algorithms(False)
-    return (list(_SEEN), out.detach(), lse.detach(), *grads)
+    return (_seen(), out.detach(), lse.detach(), *grads)
 
 
 # mode for the forward, mode for the backward: off, on, on then off (the backward follows the forward), off again
@@ -257,8 +184,8 @@ def test_python_layer_builds_nothing_quadratic(cpu_ops, case):
     with recorder:
         out, lse = call(*leaves)
         grads = torch.autograd.grad(out, leaves, dout)
-    assert [name for name, _ in _SEEN] == (["fwd", "bwd"] if case == "documents" else ["fwd_varlen", "bwd_varlen"]), (
-        f"construction: the ops did not run under the recorder: {_SEEN}")
+    assert [name for name, _ in _seen()] == (["fwd", "bwd"] if case == "documents" else ["fwd_varlen", "bwd_varlen"]), (
+        f"construction: the ops did not run under the recorder: {_seen()}")
     assert recorder.numel <= bound, f"{case}: the Python layer made a tensor of {recorder.numel} elements " \
                                     f"({recorder.where}), more than {bound}"
     leaves2 = [t.clone().requires_grad_(True) for t in (q, k, v)]
