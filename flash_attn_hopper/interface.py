@@ -134,16 +134,20 @@ def _guard_or_false(cond):
 def _check_fwd_tiles_compiling(batch, nheads, seqlen_q, rows_k, max_seqlen_k, names):
     """_check_fwd_tiles for attention_varlen under torch.compile, where a maximum may come from data (.item() in the
     compiled code, see _check_max_seqlen) and a Python comparison on it would need its value at trace time. What the
-    trace can decide raises the ValueError as in eager; the rest becomes a runtime assertion of the graph (assuming a
-    launch: a call past the tile limit with no keys at all is refused at run time too)."""
+    trace can decide raises the ValueError as in eager; the rest becomes a runtime assertion of the graph (with the
+    tile count unknown too, a launch is assumed: a call past the limit with no keys is refused at run time)."""
+    if _guard_or_false(rows_k == 0) or _guard_or_false(max_seqlen_k == 0):
+        return  # no launch
     tiles = -(-seqlen_q // _FWD_TILE_ROWS) * nheads * batch
+    message = lambda: (  # noqa: E731 (torch.compile takes the message of torch._check only from a local function)
+        "attention_varlen: more than 2^31 - 1025 forward tiles (sequences x nheads x query row blocks; int32 tile "
+        "numbers): split the call")
     if _guard_or_false(tiles > _MAX_FWD_TILES):
         if _guard_or_false(rows_k > 0) and _guard_or_false(max_seqlen_k > 0):
-            _check_fwd_tiles(batch, nheads, seqlen_q, names)
+            _check_fwd_tiles(batch, nheads, seqlen_q, names)  # raises
+        torch._check(min(rows_k, max_seqlen_k) <= 0, message)  # then only a call without keys passes
     elif not _guard_or_false(tiles <= _MAX_FWD_TILES):
-        torch._check(tiles <= _MAX_FWD_TILES, lambda: (
-            "attention_varlen: more than 2^31 - 1025 forward tiles (sequences x nheads x query row blocks; int32 "
-            "tile numbers): split the call"))
+        torch._check(tiles <= _MAX_FWD_TILES, message)
 
 
 def _check_devices(named_devices):
@@ -601,11 +605,12 @@ def _check_max_seqlen(name, value):
         # the op takes SymInt, so a maximum that changes between calls stays symbolic (checked by range, not value);
         # one computed from data in the compiled code (.item() with capture_scalar_outputs) has no value at trace
         # time: its range becomes a runtime assertion of the graph (torch._check); a known value out of range still
-        # raises the ValueError below
-        if not (_guard_or_false(value < 0) or _guard_or_false(value >= 2**31)):
-            torch._check(value >= 0, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
-            torch._check(value < 2**31, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
-            return value
+        # raises a ValueError
+        if _guard_or_false(value < 0) or _guard_or_false(value >= 2**31):
+            raise ValueError(f"{name} must be in [0, 2^31)")  # (int(value) of a value from data cannot be traced)
+        torch._check(value >= 0, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
+        torch._check(value < 2**31, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
+        return value
     value = int(value)
     if not 0 <= value < 2**31:
         raise ValueError(f"{name} must be in [0, 2^31), got {value}")

@@ -22,6 +22,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -379,6 +380,11 @@ def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
     assert counter.frame_count == 1, f"{counter.frame_count} graphs for 7 maxima"
 
 
+def _needs_compiler(backend):
+    if backend == "inductor" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("inductor on the CPU needs a C++ compiler (none on PATH)")
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_varlen_max_seqlen_from_data(cpu_ops, backend):
     """A maximum computed inside the compiled code from cu_seqlens (`.item()` under capture_scalar_outputs, as code
@@ -389,6 +395,7 @@ def test_compiled_varlen_max_seqlen_from_data(cpu_ops, backend):
     assertion, before any op runs."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    _needs_compiler(backend)
     counter = CompileCounterWithBackend(backend)
 
     def f(q, k, v, cu, offset):
@@ -414,6 +421,34 @@ def test_compiled_varlen_max_seqlen_from_data(cpu_ops, backend):
             assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
         assert counter.frame_count == 1, f"{counter.frame_count} graphs for 4 maxima from data"
         CALLS.clear()
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match=r"u\d+"):  # the graph's assertion names the unbacked symbol
             compiled(*[_randn(12, 2, 64) for _ in range(3)], torch.tensor([0, 5, 12], dtype=torch.int32), -100)
         assert _varlen_maxima() == [], "a negative maximum reached the op"
+
+
+@pytest.mark.parametrize("from_data", ["max_seqlen_k", "none"])
+def test_compiled_varlen_tile_limit(cpu_ops, from_data):
+    """The forward's tile limit (2^31 - 1025: sequences x nheads x query row blocks) under torch.compile(fullgraph),
+    65535 sequences (one of one query row and one key, the rest empty: under torch.compile the launch covers the
+    smaller of max_seqlen_q and q's rows in every sequence) on 32769 query heads and one K/V head: 2^31 + 33791 tiles.
+    With every value known at trace time the trace raises the library's ValueError; with max_seqlen_k computed from
+    data (launch or not unknown at trace time) the graph refuses the call when it runs. Either way before any op runs
+    (eager raises the ValueError: test_validation_cpu.py). Until the review of session 43 the second form launched."""
+    nseq, nheads = 65535, 32769
+    cu = torch.tensor([0] + [1] * nseq, dtype=torch.int32)
+    q, k, v = _randn(1, nheads, 8), _randn(1, 1, 8), _randn(1, 1, 8)
+
+    def f(q, k, v, cu):
+        max_k = int(cu.diff().max().item()) if from_data == "max_seqlen_k" else 1
+        return attention_varlen(q, k, v, cu, cu, 1, max_k)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    CALLS.clear()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        if from_data == "none":
+            with pytest.raises(Exception, match="forward tiles"):
+                compiled(q, k, v, cu)
+        else:
+            with pytest.raises(RuntimeError, match=r"u\d+"):
+                compiled(q, k, v, cu)
+    assert _varlen_maxima() == [], "the op ran past the tile limit"
