@@ -377,7 +377,14 @@ def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
             assert _varlen_maxima() == [("fwd_varlen", bound, bound), ("bwd_varlen", bound, bound)], (
                 f"lengths {lengths}: the ops got {_varlen_maxima()}, not max_seqlen {bound}")
         assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
-    assert counter.frame_count == 1, f"{counter.frame_count} graphs for 7 maxima"
+    assert _op_graphs(counter) == 1, f"{_op_graphs(counter)} graphs for 7 maxima"
+
+
+def _op_graphs(counter):
+    """Graphs handed to the backend that call a flash_attn_hopper op (torch 2.14 also compiles an empty graph beside the
+    function's graph in test_compiled_varlen_new_max_seqlen_reuses_the_graph; a recompile is a second graph with the
+    op)."""
+    return sum("flash_attn_hopper" in g.code for g in counter.graphs)
 
 
 def _needs_compiler(backend):
@@ -419,9 +426,9 @@ def test_compiled_varlen_max_seqlen_from_data(cpu_ops, backend):
                     f"lengths {lengths}: the ops got {_varlen_maxima()}")
                 runs.append((out, lse, *grads))
             assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
-        assert counter.frame_count == 1, f"{counter.frame_count} graphs for 4 maxima from data"
+        assert _op_graphs(counter) == 1, f"{_op_graphs(counter)} graphs for 4 maxima from data"
         CALLS.clear()
-        with pytest.raises(RuntimeError, match=r"u\d+"):  # the graph's assertion names the unbacked symbol
+        with pytest.raises(RuntimeError, match=r"u\d+|max_seqlen"):  # the graph's assertion (see the test below)
             compiled(*[_randn(12, 2, 64) for _ in range(3)], torch.tensor([0, 5, 12], dtype=torch.int32), -100)
         assert _varlen_maxima() == [], "a negative maximum reached the op"
 
@@ -449,6 +456,7 @@ def test_compiled_varlen_tile_limit(cpu_ops, from_data):
             with pytest.raises(Exception, match="forward tiles"):
                 compiled(q, k, v, cu)
         else:
-            with pytest.raises(RuntimeError, match=r"u\d+"):
+            # the graph's assertion: torch 2.11 names the unbacked symbol, 2.14 gives the library's message
+            with pytest.raises(RuntimeError, match=r"u\d+|forward tiles"):
                 compiled(q, k, v, cu)
     assert _varlen_maxima() == [], "the op ran past the tile limit"

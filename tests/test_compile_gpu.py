@@ -176,7 +176,8 @@ def test_compile_varlen_new_max_seqlen_one_graph():
             runs.append((out, lse, *grads))
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
             assert torch.equal(a, b), f"lengths {lengths_q}/{lengths_k}: compiled {name} != eager"
-    assert counter.frame_count == 1, f"{counter.frame_count} graphs for {len(batches)} maxima"
+    op_graphs = sum("flash_attn_hopper" in g.code for g in counter.graphs)  # (torch 2.14 adds an empty graph on CPU)
+    assert op_graphs == 1, f"{op_graphs} graphs for {len(batches)} maxima"
 
 
 # The exponent's scale times log2(e) reaches the kernels as a float32 that must be normal and positive: the ops
