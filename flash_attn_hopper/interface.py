@@ -359,21 +359,30 @@ def attention(
     compiling = _graph_tracing()
     key = None if compiling else _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                                                  document_ids)
-    args = _CHECKED_CALLS.get(key) if key is not None else None
-    if args is None:
-        args = _check_call(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, compiling,
-                           document_ids)
-        if key is not None:
-            if len(_CHECKED_CALLS) >= _CHECKED_CALLS_MAX:
-                _CHECKED_CALLS.clear()
-            _CHECKED_CALLS[key] = args
-    if not args[-1] and torch.are_deterministic_algorithms_enabled():
-        args = (*args[:-1], True)  # outside the cache: the global mode may change between calls
+    args = _checked(_CHECKED_CALLS, key, lambda: _check_call(q, k, v, softmax_scale, causal, window_size, softcap,
+                                                            deterministic, compiling, document_ids))
     doc_bounds = None if document_ids is None else _document_bounds(document_ids, compiling)
     # The registered op (its autograd formula is in C++, its fake kernel in _ops.py): one graph node under
     # torch.compile, and in eager mode no Python between the forward and the backward kernels.
     out, lse = torch.ops.flash_attn_hopper.fwd.default(q, k, v, *args, doc_bounds)
     return (out, lse) if return_lse else out
+
+
+def _checked(cache, key, check):
+    """The op's scalar arguments (deterministic last): check() runs every argument check and returns them; a call
+    whose signature `key` (None: not cacheable) was checked before reuses its result from `cache` (the cache is
+    emptied when full). torch.use_deterministic_algorithms(True) turns the deterministic backward on, applied after
+    the cache since the global mode may change between calls."""
+    args = cache.get(key) if key is not None else None
+    if args is None:
+        args = check()
+        if key is not None:
+            if len(cache) >= _CHECKED_CALLS_MAX:
+                cache.clear()
+            cache[key] = args
+    if not args[-1] and torch.are_deterministic_algorithms_enabled():
+        args = (*args[:-1], True)
+    return args
 
 
 def _graph_tracing():
@@ -747,18 +756,9 @@ def attention_varlen(
     compiling = _graph_tracing()
     key = None if compiling else _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                     softmax_scale, causal, window_size, softcap, deterministic)
-    scalars = _CHECKED_VARLEN_CALLS.get(key) if key is not None else None
-    if scalars is None:
-        scalars = _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                     causal, window_size, softcap, deterministic, compiling)
-        if key is not None:
-            if len(_CHECKED_VARLEN_CALLS) >= _CHECKED_CALLS_MAX:
-                _CHECKED_VARLEN_CALLS.clear()
-            _CHECKED_VARLEN_CALLS[key] = scalars
-    if not scalars[-1] and torch.are_deterministic_algorithms_enabled():
-        # torch.use_deterministic_algorithms(True) turns the deterministic backward on (as ``attention``); outside
-        # the cache, since the global mode may change between calls
-        scalars = (*scalars[:-1], True)
+    scalars = _checked(_CHECKED_VARLEN_CALLS, key, lambda: _check_varlen_call(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
+        deterministic, compiling))
     max_seqlen_q, max_seqlen_k = scalars[0], scalars[1]
     args = (cu_seqlens_q, cu_seqlens_k, *scalars)  # this call's cu_seqlens (the cache keeps no tensor)
     # Under torch.compile, torch.jit.trace and inside a CUDA graph capture, what is launched does not depend on
