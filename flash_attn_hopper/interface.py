@@ -740,7 +740,9 @@ def attention_varlen(
             ceil(min(max_seqlen_q, cu_seqlens_q[-1]) / 128) (the forward's tiles; under torch.compile,
             torch.jit.trace or a CUDA graph capture q's rows instead of cu_seqlens_q[-1]) of 2^31 - 1024 or more while
             there are keys.
-        RuntimeError: the compiled extension is not available.
+        RuntimeError: the compiled extension is not available; under torch.compile, when the graph runs, a max_seqlen
+            computed from data in the compiled code that is out of range or makes too many forward tiles (a runtime
+            assertion of the graph, where eager raises the ValueError above).
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
     the layers of a model step reuse the check); under torch.compile and inside a CUDA graph capture (where a replay
