@@ -184,7 +184,7 @@ def _check_scale(softmax_scale, head_dim):
         return 1.0 / math.sqrt(int(head_dim))
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number (float or int) or None, got {type(softmax_scale).__name__}")
-    softmax_scale = float(softmax_scale)
+    softmax_scale = _as_float("softmax_scale", softmax_scale)
     # The kernel takes softmax_scale and softmax_scale * log2(e) as normal float32 values.
     if not (_FLOAT32_TINY <= softmax_scale <= _FLOAT32_MAX / math.log2(math.e)):
         raise ValueError(
@@ -216,11 +216,22 @@ def _check_compiled(head_dim, dtype, head_dim_v=None):
         )
 
 
+def _as_float(name, value):
+    """float(value) of a real number; a ValueError naming the argument where it has no float (an int or Fraction past
+    float's range)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a float32-representable value, got one past float's range") from None
+
+
 def _check_bool(name, value):
     if isinstance(value, bool):
         return value
-    if type(value).__module__ == "numpy" and isinstance(getattr(value, "item", lambda: None)(), bool):
-        return bool(value)  # numpy.bool_
+    # numpy.bool_ (a scalar: shape ()), not an array, whose item() would take any one-element array as a bool
+    if (type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and type(value).__name__ != "ndarray"
+            and isinstance(value.item(), bool)):
+        return bool(value)
     raise TypeError(f"{name} must be a bool, got {type(value).__module__}.{type(value).__qualname__}")
 
 
@@ -254,14 +265,14 @@ def _check_window(window_size, causal):
 def _check_softcap(softcap, softmax_scale):
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    softcap = float(softcap)
+    softcap = _as_float("softcap", softcap)
     # Comparisons, not math.isfinite: under torch.compile(dynamic=True) softcap may be a symbolic float (NaN fails
     # both tests).
     if not (0 <= softcap < math.inf):
         raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
     if softcap > 0:
         # The kernels take softcap * log2(e) and softmax_scale / softcap as normal float32 values.
-        if not softcap * math.log2(math.e) <= _FLOAT32_MAX or not (
+        if not (_FLOAT32_TINY <= softcap * math.log2(math.e) <= _FLOAT32_MAX) or not (
             _FLOAT32_TINY <= softmax_scale / softcap <= _FLOAT32_MAX
         ):
             raise ValueError(
@@ -340,8 +351,10 @@ def attention(
             in this build);
             the last dimension's stride is not 1; a tensor is not on a CUDA device, the tensors are on different
             devices, or the GPU is not sm90;
-            softmax_scale is not finite and positive; a window_size side is below -1, or causal=True with a right
-            side > 0; softcap is negative or not finite, or softmax_scale / softcap is not a normal float32;
+            softmax_scale is not a positive normal float32 whose product with log2(e) is one too (an int past
+            float's range included); a window_size side is below -1, or causal=True with a right side > 0; softcap is
+            negative or not finite, or (softcap > 0) softcap * log2(e) or softmax_scale / softcap is not a normal
+            float32;
             document_ids is not ``(batch, seqlen)`` on q's device, or seqlen_q != seqlen_k with document_ids.
         RuntimeError: the compiled extension is not available; (in the backward) differentiating dq, dk, dv again
             (double backward is not supported: ``create_graph=True`` works, a second backward through it raises).
@@ -517,8 +530,10 @@ def _document_bounds(document_ids, compiling):
 class _ValueNotes:
     """Results computed from a tensor's values (a device read), kept while the tensor lives and its version counter is
     unchanged: the layers of one model step pass the same tensors, so their values are read once. Writes that bypass
-    the version counter (through ``.data``, or a numpy array sharing the memory) are not seen; inference-mode tensors
-    have no version counter and are never kept. (Not a WeakKeyDictionary: it compares keys with ==, which tensors
+    the version counter (through ``.data``, numpy or DLPack memory, in-place torch.distributed collectives, kernels
+    outside PyTorch's operators) are not seen until torch.autograd.graph.increment_version, so what is kept must never
+    let a launch index past its tensors (cu_seqlens: the kernels get the values read). Inference-mode tensors have no
+    version counter and are never kept. (Not a WeakKeyDictionary: it compares keys with ==, which tensors
     answer elementwise.)
     A result that is itself a CUDA tensor is kept per stream (get and put with its ``device``): one made on another
     stream would be neither ordered before this stream's kernels nor kept alive by the caching allocator for them."""
@@ -573,9 +588,12 @@ def _check_cu_seqlens_meta(name, cu, q):
 
 
 def _cu_seqlens_summary(name, cu):
-    """(first, last, longest) of a cu_seqlens tensor whose entries are checked to be >= 0 and non-decreasing; read
-    from the device once per tensor version (see _ValueNotes)."""
-    cached = _CHECKED_CU_SEQLENS.get(cu)
+    """((first, last, longest), checked) of a cu_seqlens tensor whose entries are checked to be >= 0 and
+    non-decreasing; read from the device once per tensor version (see _ValueNotes). ``checked`` holds the values that
+    were read: a copy made on the current stream when they were, which the kernels get in place of ``cu`` (the launch
+    is shaped by the summary, so a write to ``cu`` that bypasses its version counter, e.g. torch.distributed's
+    in-place collectives or a Triton kernel, must not reach them: they would index past the tensors' rows)."""
+    cached = _CHECKED_CU_SEQLENS.get(cu, cu.device)
     if cached is not _ValueNotes.MISSING:
         return cached
     values = cu.tolist()  # one small device-to-host copy
@@ -586,25 +604,30 @@ def _cu_seqlens_summary(name, cu):
         i = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(f"{name} must be non-decreasing, but entry {i + 1} ({values[i + 1]}) < entry {i} ({values[i]})")
     summary = (values[0], values[-1], max(lengths, default=0))
-    _CHECKED_CU_SEQLENS.put(cu, summary)
-    return summary
+    if cu.is_inference():  # never kept (no version counter): the values just read are cu's own
+        return summary, cu
+    result = (summary, cu.clone())  # ordered after the read on this stream, so it holds the values read
+    _CHECKED_CU_SEQLENS.put(cu, result, cu.device)
+    return result
 
 
 def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """The checks of cu_seqlens' values (a host read): non-negative, non-decreasing, within q's / k's rows, no sequence
-    longer than its max_seqlen. Returns (cu_seqlens_q[-1], cu_seqlens_k[-1])."""
-    last = []
+    longer than its max_seqlen. Returns (cu_seqlens_q[-1], cu_seqlens_k[-1], the checked cu_seqlens_q, the checked
+    cu_seqlens_k): the values checked, which the launch must use (_cu_seqlens_summary)."""
+    last, checked = [], []
     for name, cu, rows, max_name, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
     ):
-        _, end, longest = _cu_seqlens_summary(name, cu)
+        (_, end, longest), values = _cu_seqlens_summary(name, cu)
         if end > rows:
             raise ValueError(f"{name} ends at row {end}, past the {rows} rows of {name[-1]}")
         if longest > max_len:
             raise ValueError(f"{max_name} is {max_len} but {name} holds a sequence of length {longest}")
         last.append(end)
-    return tuple(last)
+        checked.append(values)
+    return (*last, *checked)
 
 
 def _check_max_seqlen(name, value):
@@ -745,7 +768,9 @@ def attention_varlen(
             assertion of the graph, where eager raises the ValueError above).
 
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
-    the layers of a model step reuse the check); under torch.compile and inside a CUDA graph capture (where a replay
+    the layers of a model step reuse the check, and the kernels get a copy of the values checked: a write the version
+    counter does not count, e.g. an in-place collective or a Triton kernel, is not seen until
+    ``torch.autograd.graph.increment_version(cu_seqlens)`` or a new tensor); under torch.compile and inside a CUDA graph capture (where a replay
     reads the boundaries it finds on the device) that check is skipped and the values are trusted; torch.jit.trace
     checks the values of the call it traces, and its replays trust theirs (no Python check runs in a replay, only
     the op's). max_seqlen_q/k are constants of a trace or a capture (trace or capture with upper bounds); under
@@ -786,7 +811,9 @@ def attention_varlen(
         return (out, lse) if return_lse else out
     # Rows past the last sequence belong to none (a preallocated buffer may hold anything there): the kernels get views
     # without them, since a last partial tile would otherwise load them (masked, but 0 * NaN is NaN).
-    last_q, last_k = _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    last_q, last_k, cu_seqlens_q, cu_seqlens_k = _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k,
+                                                                         max_seqlen_q, max_seqlen_k)
+    args = (cu_seqlens_q, cu_seqlens_k, *scalars)  # the values checked, which shape the launch below
     tail_q = q.shape[0] - last_q
     if tail_q or last_k < k.shape[0]:
         q, k, v = q[:last_q], k[:last_k], v[:last_k]

@@ -82,10 +82,14 @@ def bwd_stand_in(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_le
     return tuple(t.to(q.dtype) for t in g)
 
 
-def _record_varlen(op, deterministic, cu_q, cu_k, max_q, max_k):
-    """The kernels' contract: each maximum bounds its side's longest sequence (a smaller one leaves rows unwritten)."""
+def _record_varlen(op, deterministic, cu_q, cu_k, max_q, max_k, rows_q, rows_k):
+    """The kernels' contract: each maximum bounds its side's longest sequence (a smaller one leaves rows unwritten);
+    the offsets lie in [0, rows] of the tensors they get and do not decrease (else the kernels index past them)."""
     CALLS.append((op, deterministic, max_q, max_k))
-    for side, cu, bound in (("q", cu_q, max_q), ("k", cu_k, max_k)):
+    for side, cu, bound, rows in (("q", cu_q, max_q, rows_q), ("k", cu_k, max_k, rows_k)):
+        values = cu.tolist()
+        if values[0] < 0 or values[-1] > rows or any(b < a for a, b in zip(values, values[1:])):
+            raise RuntimeError(f"{op}: cu_seqlens_{side} {values} outside the {rows} rows of {side} (out of bounds)")
         longest = int(cu.diff().max()) if cu.numel() > 1 else 0
         if bound < longest:
             raise RuntimeError(f"{op}: max_seqlen_{side} {bound} below the longest sequence {longest}")
@@ -93,7 +97,7 @@ def _record_varlen(op, deterministic, cu_q, cu_k, max_q, max_k):
 
 def fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, softcap,
                         deterministic):
-    _record_varlen("fwd_varlen", deterministic, cu_q, cu_k, max_q, max_k)
+    _record_varlen("fwd_varlen", deterministic, cu_q, cu_k, max_q, max_k, q.shape[0], k.shape[0])
     out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
                                     window_size=(window_left, window_right), softcap=softcap)
     return out.to(q.dtype), lse
@@ -102,7 +106,7 @@ def fwd_varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal
 def bwd_varlen_stand_in(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left,
                         window_right, softcap, deterministic):
     """The dense gradients per sequence (batch 1 views); rows and keys outside the sequences get 0."""
-    _record_varlen("bwd_varlen", deterministic, cu_q, cu_k, max_q, max_k)
+    _record_varlen("bwd_varlen", deterministic, cu_q, cu_k, max_q, max_k, q.shape[0], k.shape[0])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(len(cq) - 1):

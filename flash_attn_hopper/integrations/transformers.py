@@ -250,7 +250,7 @@ def _unpadding(attention_mask, q_length):
     if cached is not _ValueNotes.MISSING and cached[0] == q_length:
         return cached[1]
     mask_k = attention_mask
-    mask_q = attention_mask[:, -q_length:]
+    mask_q = attention_mask[:, attention_mask.shape[1] - q_length:]  # (not [:, -q_length:]: -0 takes every column)
     lengths = torch.stack([mask_q.sum(-1, dtype=torch.int32), mask_k.sum(-1, dtype=torch.int32)])
     cu = torch.nn.functional.pad(lengths.cumsum(-1, dtype=torch.int32), (1, 0))
     indices_q = mask_q.flatten().nonzero().flatten()

@@ -1,0 +1,133 @@
+"""The eleventh round of bug-report tests, CPU part (classes BV-BX of tests/bug_report_sources.md): inputs whose
+handling is decided in the Python layer, run through the CPU stand-ins of tests/cpu_stand_ins.py (the float32
+references as kernels; the stand-ins refuse cu_seqlens offsets outside the rows of the tensors they get, which the
+kernels would read and write out of bounds).
+
+- BV: a cu_seqlens buffer refilled by a writer that does not bump its version counter (torch.distributed's in-place
+  collectives, a Triton or other custom kernel, a DLPack or numpy alias, ``.data``). attention_varlen reads the values
+  once per tensor version and shapes the launch from them (q, k, v cut at the last sequence); the kernels must get
+  the values that were read, never newer ones the launch was not shaped for.
+- BW: scalars with no float32 value the kernels can take: an int or Fraction past float's range, a softcap whose
+  product with log2(e) is subnormal; numpy arrays as bool flags. A ValueError or TypeError naming the argument before
+  any op, as for NaN or a negative value."""
+
+import fractions
+
+import numpy as np
+import pytest
+import torch
+
+from flash_attn_hopper import attention, attention_varlen
+from flash_attn_hopper.testing import attention_varlen_ref
+from cpu_stand_ins import CALLS, stand_ins
+
+
+@pytest.fixture
+def cpu_ops(monkeypatch):
+    with stand_ins(monkeypatch):
+        yield
+
+
+def _half(*shape):
+    return torch.randn(*shape).half()
+
+
+# ------------------------------------------------------- BV: cu_seqlens written behind the version counter's back
+
+
+def _write_behind_version_counter(cu, values):
+    """Writes `values` into cu's memory as a collective or a custom kernel does: the version counter does not move."""
+    version = cu._version
+    cu.untyped_storage().copy_(torch.tensor(values, dtype=torch.int32).untyped_storage())
+    assert cu.tolist() == values and cu._version == version
+
+
+def test_cu_seqlens_refilled_without_a_version_bump_launches_the_values_read(cpu_ops):
+    """The second call finds the first call's summary (same tensor, same version) while the memory now says [0, 8, 20].
+    Before the fix the kernels got those offsets with q, k, v cut at row 12 (the summary's end): rows 12-19 indexed
+    past the tensors (the stand-ins refuse it; on the GPU, LSE and dQ writes past their allocations). Now the launch
+    uses the values it read, which is the documented limit of such writes: they are not seen."""
+    torch.manual_seed(0)
+    q, k, v = _half(20, 4, 64), _half(20, 2, 64), _half(20, 2, 64)
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    out_a, lse_a = attention_varlen(q, k, v, cu, cu, 12, 12, causal=True, return_lse=True)
+    _write_behind_version_counter(cu, [0, 8, 20])
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out_b, lse_b = attention_varlen(qg, kg, vg, cu, cu, 12, 12, causal=True, return_lse=True)
+    assert torch.equal(out_b, out_a) and torch.equal(lse_b, lse_a)
+    (out_b.float().sum() + lse_b[torch.isfinite(lse_b)].sum()).backward()  # the backward gets the same values
+    assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg))
+    assert torch.equal(qg.grad[12:], torch.zeros_like(qg.grad[12:]))  # rows past the sequences it launched
+    # the documented remedy (PyTorch's for writes it does not count), or a write through PyTorch: the new values are
+    # read, checked and launched
+    for bump in (torch.autograd.graph.increment_version, lambda t: t.copy_(torch.tensor([0, 8, 20], dtype=t.dtype))):
+        bump(cu)
+        out_c, lse_c = attention_varlen(q, k, v, cu, cu, 12, 12, causal=True, return_lse=True)
+        ref_out, ref_lse = attention_varlen_ref(q, k, v, cu, cu, causal=True)
+        torch.testing.assert_close(out_c.float(), ref_out, atol=2e-3, rtol=0)
+        torch.testing.assert_close(lse_c, ref_lse)
+    # and refused where they are not valid
+    cu.copy_(torch.tensor([0, 4, 20], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^max_seqlen_q is 12 but cu_seqlens_q holds a sequence of length 16"):
+        attention_varlen(q, k, v, cu, cu, 12, 12)
+
+
+def test_cu_seqlens_checked_copy_reused_until_the_version_moves(cpu_ops):
+    """The copy made when the values are read is reused while the tensor lives at that version; a write through
+    PyTorch makes a new one (test_validation_cpu.py: an inference-mode tensor is read every call and launched as it
+    is)."""
+    from flash_attn_hopper import interface
+
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    (summary, first) = interface._cu_seqlens_summary("cu", cu)
+    assert summary == (0, 9, 5) and first is not cu and torch.equal(first, cu)
+    assert interface._cu_seqlens_summary("cu", cu)[1] is first
+    cu[1] = 4  # a version bump: read again, a new copy
+    summary, second = interface._cu_seqlens_summary("cu", cu)
+    assert summary == (0, 9, 5) and second is not first and second.tolist() == [0, 4, 9]
+
+
+# --------------------------------------------------------------------- BW: scalars with no usable float32 value
+
+
+def _qkv():
+    return _half(1, 33, 2, 64), _half(1, 40, 2, 64), _half(1, 40, 2, 64)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("softmax_scale", 10**400), ("softmax_scale", fractions.Fraction(10**400)), ("softcap", 10**400),
+    ("softcap", fractions.Fraction(10**400, 3)), ("softcap", 1e-39), ("softcap", 8e-39),
+], ids=["scale_int_10e400", "scale_fraction_10e400", "softcap_int_10e400", "softcap_fraction", "softcap_1e-39",
+        "softcap_8e-39"])
+def test_scalar_without_a_float32_value_named_before_the_op(cpu_ops, name, value):
+    """An int past float's range made float() raise an OverflowError naming nothing; a softcap below 2^-126 / log2(e)
+    passed the Python checks and reached the op, whose C++ check refused it with a RuntimeError (under torch.compile,
+    when the graph runs)."""
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 33], dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"^{name}"):
+        attention(q, k, v, **{name: value})
+    with pytest.raises(ValueError, match=rf"^{name}"):
+        attention_varlen(q[0], k[0, :33], v[0, :33], cu, cu, 33, 33, **{name: value})
+    assert CALLS == []
+
+
+def test_smallest_softcap_the_kernels_take_is_accepted(cpu_ops):
+    """The bound is the op's own: softcap * log2(e) a normal float32 (with softmax_scale / softcap one too)."""
+    q, k, v = _qkv()
+    softcap = 1.2e-38 / 1.4426950408889634 * 1.0001
+    out = attention(q, k, v, softmax_scale=1e-30, softcap=softcap)
+    assert CALLS[-1][0] == "fwd" and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse", "deterministic"])
+@pytest.mark.parametrize("value", [np.array([True, False]), np.array([[True]]), np.array(True)],
+                         ids=["two", "one_by_one", "zero_dim"])
+def test_numpy_array_is_not_a_bool_flag(cpu_ops, flag, value):
+    """numpy.bool_ scalars pass as bools; arrays do not: a one-element array was taken as its element, a longer one
+    raised numpy's own ValueError naming nothing."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=rf"^{flag} must be a bool"):
+        attention(q, k, v, **{flag: value})
+    out = attention(q, k, v, **{flag: np.bool_(False)})
+    assert out.shape == (1, 33, 2, 64)
