@@ -369,7 +369,7 @@ def attention(
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     return_lse = _check_bool("return_lse", return_lse)  # outside the checked-call cache, whose key does not hold it
-    compiling = _graph_tracing()
+    compiling = _graph_tracing(q)
     key = None if compiling else _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                                                  document_ids)
     args = _checked(_CHECKED_CALLS, key, lambda: _check_call(q, k, v, softmax_scale, causal, window_size, softcap,
@@ -398,14 +398,25 @@ def _checked(cache, key, check):
     return args
 
 
-def _graph_tracing():
-    """Whether this call is being recorded into a graph that later runs on other values: torch.compile / torch.export
-    (dynamo) or torch.jit.trace. Such a call takes no tensor value read on the host into what it launches and serves
-    no per-tensor cached result (either would become a constant of the graph: a torch.jit.trace of attention_varlen
-    kept the trace-time cut at cu_seqlens_q[-1], and one of attention the document bounds cached by a call before
-    it), and it leaves the build and device queries to the op (the extension's build_config op returns a str, which
-    torch.jit.trace cannot record)."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+# The dispatch modes of PyTorch's tracers: make_fx (PROXY; FAKE too in its fake and symbolic modes), AOTAutograd and
+# torch.export's non-strict tracing (FAKE, FUNCTIONAL), a user's FakeTensorMode (no values to read).
+_TRACING_MODE_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, name) for name in ("PROXY", "FAKE", "FUNCTIONAL"))
+
+
+def _graph_tracing(q=None):
+    """Whether this call is being recorded into a graph that later runs on other values, or runs on tensors without
+    values: torch.compile / torch.export (dynamo), torch.jit.trace, make_fx, AOTAutograd (functorch's aot_function),
+    torch.func.functionalize (q a functional tensor), a FakeTensorMode. Such a call takes no tensor value read on the
+    host into what it launches and serves no per-tensor cached result (either would become a constant of the graph: a
+    torch.jit.trace or make_fx of attention_varlen kept the trace-time cut at cu_seqlens_q[-1], and one of attention
+    the document bounds cached by a call before it; fake and functional tensors have no host values), and it leaves
+    the build and device queries to the op (the extension's build_config op returns a str, which torch.jit.trace
+    cannot record)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return True
+    if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS):
+        return True
+    return isinstance(q, torch.Tensor) and torch._is_functional_tensor(q)
 
 
 def _check_call(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, compiling, document_ids=None):
@@ -770,8 +781,9 @@ def attention_varlen(
     The values of cu_seqlens are checked on the host (one small device-to-host copy per cu_seqlens tensor and version;
     the layers of a model step reuse the check, and the kernels get a copy of the values checked: a write the version
     counter does not count, e.g. an in-place collective or a Triton kernel, is not seen until
-    ``torch.autograd.graph.increment_version(cu_seqlens)`` or a new tensor); under torch.compile and inside a CUDA graph capture (where a replay
-    reads the boundaries it finds on the device) that check is skipped and the values are trusted; torch.jit.trace
+    ``torch.autograd.graph.increment_version(cu_seqlens)`` or a new tensor); under torch.compile (and make_fx,
+    AOTAutograd, functionalize, fake tensors) and inside a CUDA graph capture (where a replay reads the boundaries it
+    finds on the device) that check is skipped and the values are trusted; torch.jit.trace
     checks the values of the call it traces, and its replays trust theirs (no Python check runs in a replay, only
     the op's). max_seqlen_q/k are constants of a trace or a capture (trace or capture with upper bounds); under
     torch.compile they stay symbolic. Where the values are trusted, rows past the last sequence must hold finite
@@ -780,7 +792,7 @@ def attention_varlen(
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
     return_lse = _check_bool("return_lse", return_lse)  # outside the checked-call cache, as in ``attention``
-    compiling = _graph_tracing()
+    compiling = _graph_tracing(q)
     key = None if compiling else _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                     softmax_scale, causal, window_size, softcap, deterministic)
     scalars = _checked(_CHECKED_VARLEN_CALLS, key, lambda: _check_varlen_call(
@@ -804,7 +816,7 @@ def attention_varlen(
         if torch.compiler.is_compiling():
             _check_fwd_tiles_compiling(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
                                        k.shape[0], max_seqlen_k, tile_names + ("min(max_seqlen_q, q's rows)",))
-        else:  # torch.jit.trace (q.shape[0] is a tensor there) or a CUDA graph capture
+        else:  # torch.jit.trace (q.shape[0] is a tensor there), make_fx / AOTAutograd / functionalize, a capture
             _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
                              tile_names + ("min(max_seqlen_q, q's rows)",), launches=k.shape[0] > 0 and max_seqlen_k > 0)
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)

@@ -131,3 +131,78 @@ def test_numpy_array_is_not_a_bool_flag(cpu_ops, flag, value):
         attention(q, k, v, **{flag: value})
     out = attention(q, k, v, **{flag: np.bool_(False)})
     assert out.shape == (1, 33, 2, 64)
+
+
+# ------------------------------------------------- BX: tracers other than torch.compile and torch.jit.trace
+
+
+def _varlen_case(seed=0):
+    torch.manual_seed(seed)
+    q, k, v = _half(40, 4, 64), _half(40, 2, 64), _half(40, 2, 64)
+    cu1 = torch.tensor([0, 10, 25], dtype=torch.int32)  # rows 25-39 belong to no sequence
+    cu2 = torch.tensor([0, 20, 40], dtype=torch.int32)
+    return q, k, v, cu1, cu2
+
+
+def _varlen(q, k, v, cu):
+    return attention_varlen(q, k, v, cu, cu, 40, 40, causal=True, return_lse=True)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_make_fx_graph_replays_new_cu_seqlens(cpu_ops, mode):
+    """make_fx ran the eager path: a real-mode trace kept the host cut at the trace-time cu_seqlens_q[-1] (25) as a
+    constant, so a replay with sequences up to row 40 handed the kernels offsets past the 25 rows they got (out of
+    bounds on the GPU); fake and symbolic modes failed inside the host read with an error naming nothing. A traced
+    call must read nothing on the host, like torch.compile: each replay equals the eager call on its own values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v, cu1, cu2 = _varlen_case()
+    _varlen(q, k, v, cu1)  # an eager call first: its cached summary must not reach the trace
+    graph = make_fx(_varlen, tracing_mode=mode)(q, k, v, cu1)
+    for cu in (cu2, cu1):
+        out, lse = graph(q, k, v, cu)
+        want_out, want_lse = _varlen(q, k, v, cu.clone())
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_make_fx_graph_replays_new_document_ids(cpu_ops):
+    """The same for attention's document bounds: a real-mode trace kept the bounds cached by an eager call on the same
+    ids tensor, so a replay with other documents used the old ones (silently wrong)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(1)
+    q = _half(1, 48, 2, 64)
+    ids1 = torch.tensor([[0] * 20 + [1] * 28])
+    ids2 = torch.tensor([[0] * 5 + [1] * 30 + [2] * 13])
+
+    def call(q, ids):
+        return attention(q, q, q, causal=True, document_ids=ids)
+
+    call(q, ids1)
+    graph = make_fx(call)(q, ids1)
+    assert torch.equal(graph(q, ids2), call(q, ids2.clone()))
+
+
+def test_aot_function_forward_and_backward_follow_new_cu_seqlens(cpu_ops):
+    """functorch's aot_function traces with fake and functional tensors: the host read failed with
+    DataDependentOutputException. Now forward and backward replay the values they are given."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    q, k, v, cu1, cu2 = _varlen_case(2)
+    compiled = aot_function(lambda q, k, v, cu: _varlen(q, k, v, cu)[0], fw_compiler=lambda g, _: make_boxed_func(g),
+                            bw_compiler=lambda g, _: make_boxed_func(g))
+    for cu in (cu1, cu2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        compiled(*leaves, cu).float().square().sum().backward()
+        eager = [t.clone().requires_grad_() for t in (q, k, v)]
+        _varlen(*eager, cu.clone())[0].float().square().sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, eager))
+
+
+def test_functionalize_runs_attention_varlen(cpu_ops):
+    """torch.func.functionalize hands functional tensors, whose storage the host read cannot touch ("tolist()
+    shouldn't be called on a tensor with unallocated storage")."""
+    q, k, v, cu1, _ = _varlen_case(3)
+    out, lse = torch.func.functionalize(_varlen)(q, k, v, cu1)
+    want_out, want_lse = _varlen(q, k, v, cu1)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
