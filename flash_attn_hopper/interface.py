@@ -641,6 +641,13 @@ def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return (*last, *checked)
 
 
+def _bounded_offsets(cu, rows):
+    """cu_seqlens as the kernels may take them without a host check: each entry clamped to [0, rows], then the running
+    maximum (valid values come back unchanged). Device ops only, so graphs and captures record them; clamp_max, not
+    clamp(0, rows): rows is a tensor under torch.jit.trace."""
+    return torch.cummax(cu.clamp_min(0).clamp_max(rows), dim=0).values
+
+
 def _check_max_seqlen(name, value):
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
@@ -786,7 +793,9 @@ def attention_varlen(
     finds on the device) that check is skipped and the values are trusted; torch.jit.trace
     checks the values of the call it traces, and its replays trust theirs (no Python check runs in a replay, only
     the op's). max_seqlen_q/k are constants of a trace or a capture (trace or capture with upper bounds); under
-    torch.compile they stay symbolic. Where the values are trusted, rows past the last sequence must hold finite
+    torch.compile they stay symbolic. Trusted values reach the kernels clamped to the tensors' rows and made
+    non-decreasing (device ops), so bad ones leave rows unwritten but never make the kernels index past the tensors.
+    Where the values are trusted, rows past the last sequence must hold finite
     values (a last partial tile loads them). In every mode the tokens of one sequence must be finite for its
     neighbours' results to be (the same reason).
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
@@ -819,6 +828,10 @@ def attention_varlen(
         else:  # torch.jit.trace (q.shape[0] is a tensor there), make_fx / AOTAutograd / functionalize, a capture
             _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
                              tile_names + ("min(max_seqlen_q, q's rows)",), launches=k.shape[0] > 0 and max_seqlen_k > 0)
+        # Trusted values reach the kernels only as offsets in [0, rows], non-decreasing: the kernels index q, k, v,
+        # the outputs and the backward's workspaces by them, so a bad value (a last entry past the rows, a negative or
+        # decreasing entry) leaves rows unwritten instead of reading and writing past the tensors.
+        args = (_bounded_offsets(cu_seqlens_q, q.shape[0]), _bounded_offsets(cu_seqlens_k, k.shape[0]), *scalars)
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
     # Rows past the last sequence belong to none (a preallocated buffer may hold anything there): the kernels get views

@@ -206,3 +206,51 @@ def test_functionalize_runs_attention_varlen(cpu_ops):
     out, lse = torch.func.functionalize(_varlen)(q, k, v, cu1)
     want_out, want_lse = _varlen(q, k, v, cu1)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+# ---------------------------------------------- CD: trusted cu_seqlens never index past the tensors
+
+
+@pytest.mark.parametrize("values, bounded", [
+    ([0, 10, 50], [0, 10, 40]),  # the last entry past q's 40 rows
+    ([-5, 10, 40], [0, 10, 40]),  # a negative first entry (LSE writes before the tensor)
+    ([0, 30, 20, 40], [0, 30, 30, 40]),  # decreasing: a negative length
+], ids=["past_the_rows", "negative", "decreasing"])
+@pytest.mark.parametrize("path", ["compile", "capture", "make_fx"])
+def test_trusted_cu_seqlens_stay_inside_the_tensors(cpu_ops, monkeypatch, values, bounded, path):
+    """Under torch.compile, a CUDA graph capture or another tracer the values of cu_seqlens are not read on the host
+    (documented: the caller's to get right), and the kernels took them as given: an offset past the rows or below 0
+    made them read and write past q, out, LSE and dQ (https://github.com/JIA-Lab-research/LongLoRA/issues/199: a
+    cu_seqlens built wrong for some lengths, then an illegal memory access; https://github.com/Dao-AILab/flash-attention/
+    issues/1661: cu_seqlens that do not cover q). They now get each entry clamped to the rows and made
+    non-decreasing, so bad values leave rows unwritten, never memory outside the tensors; valid values are unchanged
+    (every other test). The stand-ins refuse offsets outside their tensors; forward and backward run."""
+    from flash_attn_hopper import interface
+
+    torch.manual_seed(4)
+    q, k, v = (_half(40, 2, 64).requires_grad_() for _ in range(3))
+    cu = torch.tensor(values, dtype=torch.int32)
+
+    def call(q, k, v, cu):
+        return attention_varlen(q, k, v, cu, cu, 40, 40, causal=True, return_lse=True)
+
+    if path == "compile":
+        run = torch.compile(call, backend="aot_eager", fullgraph=True)
+    elif path == "capture":
+        monkeypatch.setattr(interface, "_capturing", lambda device: True)
+        run = call
+    else:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        run = make_fx(call)(q.detach(), k.detach(), v.detach(), torch.tensor([0, 20, 40], dtype=torch.int32))
+        CALLS.clear()  # (the trace ran the op once)
+    out, lse = run(q, k, v, cu)
+    assert [c[0] for c in CALLS] == ["fwd_varlen"]
+    if path != "make_fx":  # (make_fx's graph is not differentiable)
+        (out.float().sum() + lse[torch.isfinite(lse)].sum()).backward()
+        assert [c[0] for c in CALLS] == ["fwd_varlen", "bwd_varlen"]
+    monkeypatch.setattr(interface, "_capturing", lambda device: False)
+    want_out, want_lse = attention_varlen(q.detach(), k.detach(), v.detach(), torch.tensor(bounded, dtype=torch.int32),
+                                          torch.tensor(bounded, dtype=torch.int32), 40, 40, causal=True,
+                                          return_lse=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
