@@ -6,13 +6,58 @@ so it is loaded with ``torch.ops.load_library`` rather than imported.
 
 import functools
 import glob
+import mmap
 import os
 
 import torch
 
+_NAMESPACE = "flash_attn_hopper"
 _LIB_DIR = os.path.dirname(os.path.abspath(__file__))
 _load_error = None
 LIBRARY_PATH = None  # the loaded extension's file
+
+
+def _namespace_defined():
+    """Whether some library already defined ops of the namespace in this process. Registry lookups only (they load
+    nothing); a schema counts, a kernel registered without one does not."""
+    names = {"fwd"}  # every build defines fwd; the listing adds ops another version of the library may define
+    names.update(n.split("::", 1)[1].split(".")[0] for n in getattr(torch._C, "_dispatch_get_all_op_names", list)()
+                 if n.startswith(_NAMESPACE + "::"))
+    namespace = getattr(torch.ops, _NAMESPACE)
+    return any(hasattr(namespace, name) for name in names)
+
+
+def _mentions_namespace(path):
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return data.find(_NAMESPACE.encode()) >= 0
+    except (OSError, ValueError):
+        return False
+
+
+def _files_defining_namespace(file_name):
+    """The loaded files that define the namespace: those torch.ops.load_library loaded and, for a copy loaded another
+    way (ctypes), mapped files named `file_name` (Linux); each holding the namespace's name."""
+    paths = set(torch.ops.loaded_libraries)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and os.path.basename(fields[5].rstrip("\n")) == file_name:
+                    paths.add(fields[5].rstrip("\n"))
+    except OSError:
+        pass
+    return sorted(p for p in paths if _mentions_namespace(p))
+
+
+def _same_file(a, b):
+    # the path too: a file rebuilt in place since it was loaded is a new inode at the same path
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _load():
@@ -24,6 +69,22 @@ def _load():
             "`pip install --no-build-isolation .` on a machine with nvcc and the nvidia-cutlass wheel. If it is "
             "installed, this import found the source tree first (run from another directory, or build in place with "
             "`python setup.py build_ext --inplace`)"
+        )
+        return False
+    if _namespace_defined():
+        # A second copy's TORCH_LIBRARY would abort the interpreter (a C++ error no try/except catches), so load
+        # nothing: a reload of this module, or this file reached through a link, reuses the ops already there.
+        loaded = _files_defining_namespace(os.path.basename(candidates[0]))
+        if any(_same_file(candidates[0], path) for path in loaded):
+            LIBRARY_PATH = candidates[0]
+            return True
+        other = " and ".join(loaded) or "a file not loaded through torch.ops.load_library"
+        _load_error = (
+            f"the flash_attn_hopper CUDA extension {candidates[0]} was not loaded: another copy of it, {other}, "
+            "already defined the torch.ops.flash_attn_hopper ops in this process, and loading a second one would "
+            "abort the interpreter (PyTorch allows one TORCH_LIBRARY per namespace). Use one copy per process: "
+            "uninstall or remove the other (a vendored copy, or a source tree with a build on sys.path beside an "
+            "installed wheel), or import the copy that loaded first"
         )
         return False
     try:
@@ -45,26 +106,30 @@ def _register_python_kernels():
     """Fake (meta) kernels of the C++ ops, so torch.compile traces them as graph nodes. Their autograd formulas are
     registered in C++ (csrc/api/flash_api.cpp, the Autograd kernels of fwd and fwd_varlen): the forward saves q, k, v,
     out, lse (and fwd's doc_bounds); its backward is the FlashAttention-3 backward op (paper §2.1); lse is differentiable (its gradient
-    dLSE enters the backward op, where dS gains P ∘ dLSE)."""
+    dLSE enters the backward op, where dS gains P ∘ dLSE).
 
-    @torch.library.register_fake("flash_attn_hopper::fwd")
+    allow_override: a reload of this module (importlib.reload, Jupyter's autoreload) or a second module over the same
+    file registers them again, replacing the earlier ones (torch 2.11 raises without it; 2.14 defaults to it)."""
+    register_fake = functools.partial(torch.library.register_fake, allow_override=True)
+
+    @register_fake("flash_attn_hopper::fwd")
     def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None):
         batch, seqlen_q, nheads, _ = q.shape
         return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])), q.new_empty(
             (batch, nheads, seqlen_q), dtype=torch.float32
         )
 
-    @torch.library.register_fake("flash_attn_hopper::bwd")
+    @register_fake("flash_attn_hopper::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
                   deterministic, doc_bounds=None):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
-    @torch.library.register_fake("flash_attn_hopper::fwd_varlen")
+    @register_fake("flash_attn_hopper::fwd_varlen")
     def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
         total_q, nheads, _ = q.shape
         return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
-    @torch.library.register_fake("flash_attn_hopper::bwd_varlen")
+    @register_fake("flash_attn_hopper::bwd_varlen")
     def _bwd_varlen_fake(dout, q, k, v, out, lse, dlse, *args):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 

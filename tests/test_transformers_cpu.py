@@ -205,19 +205,35 @@ def test_dropout_rejected(fah_tf, spy):
 
 @requires_transformers
 @pytest.mark.parametrize(
-    "mask",
+    "mask, pattern",
     [
-        torch.ones(2, 8, dtype=torch.long),  # 2D, not the boolean mask transformers passes on
-        torch.ones(2, 7, dtype=torch.bool),  # 2D boolean, shorter than the keys (a StaticCache's)
-        torch.zeros(2, 1, 8, 8),  # 4D additive mask
-        torch.ones(2, 1, 8, 8, dtype=torch.bool),  # 4D boolean mask
+        # 2D, not the boolean mask transformers passes on
+        (torch.ones(2, 8, dtype=torch.long), r"2D attention_mask of shape \(2, 8\), dtype torch\.int64"),
+        # 2D boolean, shorter than the keys (a StaticCache's)
+        (torch.ones(2, 7, dtype=torch.bool), r"2D attention_mask of shape \(2, 7\).*\(batch, key length\) = \(2, 8\)"),
+        (torch.zeros(2, 1, 8, 8), r"attention_mask of shape .*4D or custom"),  # 4D additive mask
+        (torch.ones(2, 1, 8, 8, dtype=torch.bool), r"attention_mask of shape .*4D or custom"),  # 4D boolean mask
     ],
     ids=["2d-long", "2d-short", "4d-float", "4d-bool"],
 )
-def test_mask_rejected(fah_tf, spy, mask):
+def test_mask_rejected(fah_tf, spy, mask, pattern):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"attention_mask of shape .*4D or custom"):
+    with pytest.raises(ValueError, match=pattern):
         fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, mask)
+    assert not spy.calls
+
+
+@requires_transformers
+def test_causal_padding_mask_with_fewer_keys_than_queries_is_named_2d(fah_tf, spy):
+    """A causal call with more queries than keys cannot take its queries from the mask's last columns: the ValueError
+    says so and does not call the 2D mask 4D (it did, for BART's cross-attention with a decoder longer than its
+    encoder, before cross-attention was run as a key padding mask)."""
+    q, k, v = _qkv(seqlen_q=12, seqlen_k=8)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 5:] = False
+    with pytest.raises(ValueError, match=r"2D padding mask with 8 key positions for 12 queries in causal") as info:
+        fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=True), q, k, v, mask)
+    assert "4D" not in str(info.value)
     assert not spy.calls
 
 
@@ -274,13 +290,31 @@ def test_layout_scale_and_causal_reach_the_kernel(fah_tf, spy):
     assert call["softmax_scale"] == 0.3
     assert call["causal"] is True
 
-    # is_causal given by the caller wins over module.is_causal; a module without the attribute means causal.
+    # is_causal given by the caller wins over module.is_causal (also over a missing attribute).
     fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=True), q, k, v, None, is_causal=False)
     assert spy.calls[-1]["causal"] is False
     fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=False), q, k, v, None)
     assert spy.calls[-1]["causal"] is False
-    fah_tf.flash_attn_hopper_attention_forward(types.SimpleNamespace(), q, k, v, None, scaling=None)
+    fah_tf.flash_attn_hopper_attention_forward(types.SimpleNamespace(), q, k, v, None, scaling=None, is_causal=True)
     assert spy.calls[-1]["causal"] is True and spy.calls[-1]["softmax_scale"] is None
+
+
+@requires_transformers
+@pytest.mark.parametrize("mask", [False, True], ids=["no_mask", "padding_mask"])
+def test_module_without_is_causal_raises(fah_tf, spy, mask):
+    """A module without an ``is_causal`` attribute, called without an is_causal argument, is refused by name: it
+    used to run causal, while transformers' eager runs such modules (BERT-style encoders: AlignText, ClapText,
+    Splinter) with the bidirectional mask the model builds, which this function does not see."""
+    q, k, v = _qkv()
+    attention_mask = torch.ones(2, 8, dtype=torch.bool) if mask else None
+    if mask:
+        attention_mask[0, 6:] = False
+    with pytest.raises(ValueError, match=r"no `is_causal` attribute.*is_causal = False"):
+        fah_tf.flash_attn_hopper_attention_forward(types.SimpleNamespace(layer_idx=0), q, k, v, attention_mask)
+    with pytest.raises(ValueError, match=r"is_causal"):
+        fah_tf.flash_attn_hopper_attention_forward(types.SimpleNamespace(layer_idx=0), q, k, v, attention_mask,
+                                                   is_causal=None)
+    assert not spy.calls
 
 
 @requires_transformers
@@ -741,3 +775,226 @@ def test_gemma2_softcap_and_sliding_layers_match_eager_with_reference_kernel(fah
     ids = torch.randint(0, 97, (2, 21))
     _compare_training_step(ours, eager, ids)
 
+
+
+# ------------------------------------------------------------------ eleventh round: cross-attention, is_causal, kwargs
+
+
+@requires_transformers
+def test_padding_mask_with_zero_queries_gives_an_empty_output(fah_tf, reference_kernel):
+    """A query of length 0 with a padding mask gives the empty (batch, 0, heads, head_dim) output, as without a mask
+    (the mask's query columns were taken as ``[:, -0:]``, every column, and index_select failed)."""
+    q, k, v = _qkv(seqlen_q=0, seqlen_k=8, dtype=torch.float32)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, :3] = False
+    for module in (_module(is_causal=True), _module(is_causal=False)):
+        plain, _ = fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, None)
+        padded, _ = fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, mask)
+        assert plain.shape == padded.shape == (2, 0, 4, 64)
+
+
+@requires_transformers
+def test_cross_attention_with_a_window_and_a_padding_mask_raises(fah_tf, spy):
+    """Non-causal with a padding mask and q_length != kv_length is cross-attention (the mask describes the keys); a
+    window there has no defined alignment of queries to the unpadded keys: refused by name before the kernel."""
+    q, k, v = _qkv(seqlen_q=5, seqlen_k=8)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 6:] = False
+    with pytest.raises(NotImplementedError, match=r"sliding_window=4 in non-causal attention with a padding mask"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=False), q, k, v, mask, sliding_window=4)
+    assert not spy.calls
+
+
+@requires_transformers
+def test_non_causal_padding_mask_unpads_the_keys_only(fah_tf, monkeypatch, allow_float32):
+    """Non-causal attention with a padding mask (an encoder, or cross-attention to one): each row's queries, all of
+    them, form one sequence against its kept keys, whatever q_length is."""
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k, q.shape[0], k.shape[0], kwargs["causal"]))
+        return torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+
+    monkeypatch.setattr(interface, "attention_varlen", fake_varlen)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, 5:] = False
+    for seqlen_q in (3, 8, 11):
+        q, k, v = _qkv(seqlen_q=seqlen_q, seqlen_k=8)
+        out, _ = fah_tf.flash_attn_hopper_attention_forward(_module(is_causal=False), q, k, v, mask)
+        assert out.shape == (2, seqlen_q, 4, 64)
+        assert calls[-1] == ([0, seqlen_q, 2 * seqlen_q], [0, 8, 13], seqlen_q, 8, 2 * seqlen_q, 13, False)
+
+
+def _bart_config(**overrides):
+    from transformers import BartConfig
+
+    kwargs = dict(vocab_size=100, d_model=64, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2,
+                  decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                  dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    kwargs.update(overrides)
+    return BartConfig(**kwargs)
+
+
+def _bart_pair(cls_name):
+    import transformers
+
+    cls = getattr(transformers, cls_name)
+    torch.manual_seed(0)
+    ours = cls(_bart_config())
+    eager = cls(_bart_config())
+    eager.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation(NAME)
+    eager.set_attn_implementation("eager")
+    return ours, eager
+
+
+def _encoder_batch():
+    """Encoder ids (3, 12) and a mask: row 0 kept, row 1 right-padded from 7, row 2 left-padded by 4."""
+    ids = torch.randint(3, 100, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    mask[2, :4] = 0
+    return ids, mask
+
+
+@requires_transformers
+@pytest.mark.parametrize("decoder_length", [5, 12, 20, "padded"],
+                         ids=["dec_shorter", "dec_equal", "dec_longer", "dec_padded"])
+def test_encoder_decoder_cross_attention_with_encoder_padding(fah_tf, reference_kernel, decoder_length):
+    """BART with a padded encoder batch: the cross-attention gets the encoder's (batch, encoder length) padding mask,
+    which describes the keys only. Every decoder row (with a right-padded decoder: every kept row) and every parameter
+    gradient equal eager's, for decoders shorter than, as long as and longer than the encoder. Before, the decoder
+    queries were unpadded by the encoder mask's last columns (rows zeroed and shifted; a longer decoder raised)."""
+    ours, eager = _bart_pair("BartModel")
+    ids, mask = _encoder_batch()
+    decoder_mask = None
+    if decoder_length == "padded":
+        decoder_length = 9
+        decoder_mask = torch.ones(3, 9, dtype=torch.long)
+        decoder_mask[0, 6:] = 0
+    decoder_ids = torch.randint(3, 100, (3, decoder_length))
+    weights = torch.randn(3, decoder_length, 64)
+    if decoder_mask is not None:
+        weights = weights * decoder_mask[..., None]  # padded decoder rows: not compared (ours are 0 in self-attention)
+    results = []
+    for model in (ours, eager):
+        out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids,
+                    decoder_attention_mask=decoder_mask, use_cache=False)
+        (out.last_hidden_state * weights).sum().backward()
+        results.append((out.last_hidden_state, out.encoder_last_hidden_state,
+                        {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (dec_a, enc_a, grads_a), (dec_b, enc_b, grads_b) = results
+    kept = torch.ones(3, decoder_length, dtype=torch.bool) if decoder_mask is None else decoder_mask.bool()
+    torch.testing.assert_close(dec_a[kept], dec_b[kept], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(enc_a[mask.bool()], enc_b[mask.bool()], rtol=1e-4, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@requires_transformers
+def test_encoder_decoder_generation_with_encoder_padding(fah_tf, reference_kernel):
+    """Greedy generation with a padded encoder batch (cross-attention of one query against the cached encoder keys):
+    the scores of every step equal eager's. Before, a row whose last encoder token was padding lost its query."""
+    ours, eager = _bart_pair("BartForConditionalGeneration")
+    ids, mask = _encoder_batch()
+    scores = []
+    with torch.no_grad():
+        for model in (ours.eval(), eager.eval()):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                 num_beams=1, output_scores=True, return_dict_in_generate=True)
+            scores.append(torch.stack(out.scores, 1))
+    torch.testing.assert_close(scores[0], scores[1], rtol=1e-4, atol=1e-5)
+
+
+@requires_transformers
+def test_model_without_is_causal_raises_and_runs_once_set(fah_tf, reference_kernel):
+    """Splinter's attention modules (transformers 5.17) have no ``is_causal`` and pass none: refused by name (they
+    ran causal against eager's bidirectional attention); with ``is_causal = False`` set on them the padded batch's
+    kept positions equal eager's."""
+    from transformers import SplinterConfig, SplinterModel
+
+    config = SplinterConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                            max_position_embeddings=64, question_token_id=5)
+    torch.manual_seed(0)
+    ours, eager = SplinterModel(config).eval(), SplinterModel(copy.deepcopy(config)).eval()
+    eager.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation(NAME)
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(6, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="no `is_causal` attribute"):
+        ours(input_ids=ids, attention_mask=mask)
+    attention_modules = [m for m in ours.modules() if type(m).__name__ == "SplinterSelfAttention"]
+    assert attention_modules and not any(hasattr(m, "is_causal") for m in attention_modules)
+    for m in attention_modules:
+        m.is_causal = False
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=mask).last_hidden_state
+        want = eager(input_ids=ids, attention_mask=mask).last_hidden_state
+        got_plain = ours(input_ids=ids).last_hidden_state
+        want_plain = eager(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_plain, want_plain, rtol=1e-4, atol=1e-5)
+
+
+@requires_transformers
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("sinks", torch.zeros(4)),  # per-head attention sinks (a softmax term)
+        ("indices", torch.zeros(2, 8, 4, dtype=torch.long)),  # sparse top-k key indices
+        ("block_indices", torch.zeros(2, 4, 2, dtype=torch.long)),  # sparse key blocks
+        ("any_tensor", torch.ones(1)),
+        ("head_mask", torch.ones(4)),
+        ("any_flag", True),  # not a tensor, but a value the function would drop
+    ],
+    ids=["sinks", "indices", "block_indices", "any_tensor", "head_mask", "any_flag"],
+)
+def test_unknown_keywords_with_a_value_are_refused(fah_tf, spy, name, value):
+    """A keyword argument the function neither reads nor knows to be harmless may change the attention (sinks, sparse
+    indices): NotImplementedError naming it, before the kernel (only s_aux and position_bias were refused before)."""
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=rf"keyword argument\(s\) {name}\b"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, **{name: value})
+    with pytest.raises(NotImplementedError, match=rf"keyword argument\(s\) {name}\b"):
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, use_cache=True, **{name: value})
+    assert not spy.calls
+
+
+@requires_transformers
+def test_harmless_and_none_keywords_reach_the_kernel(fah_tf, spy):
+    """The keywords transformers' models pass on without changing the attention of the given q/k/v (cache, rotary
+    embedding, other outputs, loss normalisation, the collator's seq_idx) and unknown keywords set to None pass."""
+    spy.fail = False
+    q, k, v = _qkv()
+    harmless = dict(use_cache=True, cache_position=torch.arange(8), past_key_values=object(),
+                    past_key_value=object(), position_embeddings=(torch.ones(8), torch.ones(8)),
+                    encoder_hidden_states=torch.ones(2, 8, 16), output_hidden_states=True,
+                    output_router_logits=True, return_dict=True, num_items_in_batch=torch.tensor(7),
+                    seq_idx=torch.zeros(2, 8, dtype=torch.int32), output_attentions=False, deterministic=False,
+                    position_ids=torch.arange(8).unsqueeze(0), sinks=None, indices=None, anything_else=None)
+    fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, None, **harmless)
+    assert len(spy.calls) == 1
+
+
+@requires_transformers
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3",
+                                        "qwen3_moe", "mixtral"])
+def test_model_keywords_are_accepted(fah_tf, spy, allow_float32, model_type):
+    """What transformers' decoder models pass to the attention function (position_ids, use_cache, output flags,
+    sliding_window, softcap, a Trainer's num_items_in_batch, ...) reaches the kernel: none of it is refused."""
+    import transformers
+
+    spy.fail = False
+    config = transformers.AutoConfig.for_model(
+        model_type, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=100, max_position_embeddings=64, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME, dtype=torch.float32)
+    ids = torch.randint(0, 100, (2, 10))
+    model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(18), output_hidden_states=True)
+    model(input_ids=ids, use_cache=True, output_attentions=False)
+    assert len(spy.calls) == 4

@@ -20,7 +20,8 @@ Usage::
   (``masking_utils._preprocess_mask_arguments`` returns None for names it has no mask function for), so a padded
   batch would silently attend to its padding.
 
-What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, sliding windows
+What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, and
+encoder-decoder cross-attention (a padded encoder's mask describes the keys: BART and the like), sliding windows
 (``config.sliding_window``, e.g. Mistral, Gemma 2's local layers), attention logit soft-capping (Gemma 2's
 ``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim a multiple
 of 8 up to 256 (value's may differ from query's and key's), padded batches (a 2D attention_mask: left or right
@@ -30,7 +31,9 @@ bounds computed on the device (no host synchronization, also under torch.compile
 check, a device read every forward, is skipped for this name), or from its flash-attention keyword arguments (run by
 ``attention_varlen``), a DynamicCache (prefill and decoding: the causal mask is aligned bottom-right, as in
 transformers' flash-attention path).
-Everything else raises a Python exception, naming what is unsupported, before any kernel runs.
+Everything else raises a Python exception, naming what is unsupported, before any kernel runs: among it, modules
+without an ``is_causal`` attribute called without an is_causal argument, and keyword arguments it does not know
+(attention sinks, sparse indices, ...), which it does not drop.
 
 Tested with transformers 5.17.0. This module imports transformers; ``import flash_attn_hopper`` does not.
 """
@@ -63,6 +66,21 @@ ATTN_IMPLEMENTATION = "flash_attn_hopper"
 # Keyword arguments through which transformers (and its DataCollatorWithFlattening) asks for variable-length batches.
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
+# Keyword arguments read by flash_attn_hopper_attention_forward besides its named parameters.
+_CONSUMED_KWARGS = frozenset(_VARLEN_KWARGS + ("position_ids", "deterministic", "output_attentions", "s_aux",
+                                               "position_bias"))
+# Keyword arguments that transformers' models pass on (checked: 5.17's Llama, Mistral, Gemma 1-3, Qwen 2/3, Mixtral,
+# BART, BERT, ModernBERT, and TransformersKwargs) and that do not change the attention of the given query, key and
+# value: the module has already used them (cache, rotary embedding, encoder states) or they concern other outputs.
+# seq_idx comes from DataCollatorWithFlattening with the position_ids that carry the same documents (transformers'
+# attention paths ignore it too). Any other keyword with a value is refused: it may change the softmax (sinks) or the
+# visible keys (sparse indices), and dropping it would silently give other results than eager.
+_HARMLESS_KWARGS = frozenset((
+    "use_cache", "cache_position", "past_key_values", "past_key_value", "position_embeddings",
+    "encoder_hidden_states", "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "seq_idx",
+))
+
 
 def _where(module):
     """The start of an error message: which attention module raised it (built only when raising)."""
@@ -89,7 +107,7 @@ def flash_attn_hopper_attention_forward(
 
     Args:
         module: the calling attention module. Read: ``is_causal`` (used when the ``is_causal`` argument is None;
-            default True) and, for messages, ``layer_idx``.
+            without the attribute that raises) and, for messages, ``layer_idx``.
         query: ``(batch, nheads, seqlen_q, head_dim)``.
         key, value: ``(batch, nheads_k, seqlen_k, head_dim)`` and ``(batch, nheads_k, seqlen_k, head_dim_v)``
             (head_dim_v may differ, e.g. DeepSeek-V2/V3's 192 / 128); nheads_k divides nheads (grouped-query /
@@ -100,13 +118,17 @@ def flash_attn_hopper_attention_forward(
             must have stride 1; the (batch, seqlen, nheads, head_dim) views are passed to the kernel without a copy.
         attention_mask: None, or the 2D boolean ``(batch, seqlen_k)`` padding mask (True: a kept token) that the mask
             function registered with this one passes on (it turns an all-ones mask into None). With a padding mask the
-            kept tokens of each row form one sequence, queries being the row's last seqlen_q positions, and the batch
-            runs through ``attention_varlen`` (causal and windows aligned bottom-right per sequence; padded query rows
-            get output 0), as transformers' flash-attention path does; the mask is read from the device once per
-            forward (shared by the layers). Any other mask (4D, additive, custom) raises ValueError.
+            batch runs through ``attention_varlen``; the mask is read from the device once per forward (shared by the
+            layers). Causal (or with a bidirectional window, as many queries as keys): the kept tokens of each row
+            form one sequence, queries being the row's last seqlen_q positions (causal and windows aligned
+            bottom-right per sequence; padded query rows get output 0), as transformers' flash-attention path does.
+            Non-causal without a window (an encoder; cross-attention, where the mask is the encoder's and seqlen_q
+            may be any length): the mask describes the keys only and every query row is computed, as in eager.
+            Any other mask (4D, additive, custom) raises ValueError.
         dropout: attention dropout probability; must be 0 (set ``config.attention_dropout = 0.0``).
         scaling: softmax scale (multiplier of Q Kᵀ); None means ``1 / sqrt(head_dim)``.
-        is_causal: causal mask if True; None means ``module.is_causal`` (True when the module has no such attribute).
+        is_causal: causal mask if True; None means ``module.is_causal`` (a ValueError when the module has none: the
+            mask the model builds, which decides in eager, is not seen here).
             The causal mask is aligned bottom-right (query row i sees key j iff j <= i + seqlen_k - seqlen_q), which
             is what decoding with a DynamicCache needs (a single query row sees every cached key) and matches
             transformers' flash-attention path; SDPA's ``is_causal`` is aligned top-left.
@@ -123,19 +145,25 @@ def flash_attn_hopper_attention_forward(
             as in transformers. ``s_aux`` and
             ``position_bias`` must be None. ``output_attentions=True`` is ignored with a warning (no attention weights
             are formed). ``deterministic`` (else the environment variable ``FLASH_ATTENTION_DETERMINISTIC=1``, as
-            transformers' flash-attention path reads them): the deterministic backward. Other keyword arguments
-            (``use_cache``, ...) are ignored.
+            transformers' flash-attention path reads them): the deterministic backward. Ignored, as they do not change
+            the attention of the given query, key and value: ``use_cache``, ``cache_position``, ``past_key_values``,
+            ``past_key_value``, ``position_embeddings``, ``encoder_hidden_states``, ``output_hidden_states``,
+            ``output_router_logits``, ``return_dict``, ``num_items_in_batch``, ``seq_idx``. Any other keyword
+            argument that is not None raises NotImplementedError.
 
     Returns:
         ``(attn_output, None)``: ``attn_output`` of shape ``(batch, seqlen_q, nheads, head_dim_v)`` in the compute dtype
         (q's dtype, or the autocast dtype), differentiable with respect to query, key and value.
 
     Raises:
-        ValueError: ``attention_mask`` is not None and not the 2D boolean padding mask described above;
+        ValueError: ``attention_mask`` is not None and not the 2D boolean padding mask described above (or, causal,
+            with fewer keys than queries); no ``is_causal`` argument and no ``module.is_causal``;
             ``dropout`` is not 0; a partial set of ``cu_seq_lens_*`` / ``max_length_*``, or them with a batch of more
             than one row; and, from ``flash_attn_hopper.attention``, bad shapes,
             head_dim not a multiple of 8 in [8, 256], tensors not on an sm90 CUDA device.
-        NotImplementedError: attention sinks (``s_aux``), a position bias.
+        NotImplementedError: attention sinks (``s_aux``), a position bias, any other keyword argument not listed above
+            with a value (``sinks``, ``indices``, ``block_indices``, ...); a sliding window in non-causal attention
+            with a padding mask and seqlen_q != seqlen_k (cross-attention).
         TypeError: a dtype other than float16/bfloat16 outside autocast (for example a float32 model: load it with
             ``dtype=torch.bfloat16`` or run it under ``torch.autocast("cuda", dtype=torch.bfloat16)``).
         RuntimeError: the compiled extension is not available.
@@ -148,14 +176,21 @@ def flash_attn_hopper_attention_forward(
             "a model built with attention_dropout=0.0 (pass it to from_pretrained, or set it on the config given to "
             "from_config: the attention modules copy it when built)"
         )
-    if attention_mask is not None and not _is_padding_mask(attention_mask, query, key):
-        shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
-        raise ValueError(
-            f"{_where(module)}: got an attention_mask of shape {shape}; flash_attn_hopper takes causal or full "
-            "attention, and padding as the 2D boolean (batch, key length) mask its mask function passes on (padded "
-            "batches run through the variable-length kernel); this one is a 4D or custom mask. Use "
-            "attn_implementation='sdpa' for it."
-        )
+    if is_causal is None:
+        if not hasattr(module, "is_causal"):
+            # transformers' eager path follows the mask the model builds, which this function never sees: guessing
+            # causal ran bidirectional encoders (AlignText, ClapText, Splinter in 5.17) causal.
+            raise ValueError(
+                f"{_where(module)}: the module has no `is_causal` attribute and no is_causal argument was passed, so "
+                "flash_attn_hopper cannot tell causal from bidirectional attention (transformers' own flash-attention "
+                "path fails on it too). Set `is_causal = False` (an encoder) or `True` (a decoder) on the attention "
+                "modules, or use attn_implementation='eager'."
+            )
+        is_causal = module.is_causal
+    causal = bool(is_causal)
+    if attention_mask is not None and not _is_padding_mask(attention_mask, query, key, causal):
+        raise ValueError(f"{_where(module)}: {_mask_problem(attention_mask, query, key, causal)} Use "
+                         "attn_implementation='sdpa' for it.")
     unsupported = {
         "s_aux": kwargs.get("s_aux"),
         "position_bias": kwargs.get("position_bias"),
@@ -165,6 +200,24 @@ def flash_attn_hopper_attention_forward(
             raise NotImplementedError(
                 f"{_where(module)}: {name} is not supported by flash_attn_hopper yet (got {name} != None)"
             )
+    unknown = sorted(name for name, val in kwargs.items()
+                     if val is not None and name not in _CONSUMED_KWARGS and name not in _HARMLESS_KWARGS)
+    if unknown:
+        raise NotImplementedError(
+            f"{_where(module)}: got the keyword argument(s) {', '.join(unknown)}, which flash_attn_hopper does not "
+            "know; such arguments can change the attention (attention sinks, sparse key indices, ...), so they are "
+            "not dropped silently. Use attn_implementation='eager' or 'sdpa' for this model."
+        )
+    keys_only = attention_mask is not None and not causal
+    if keys_only and sliding_window is not None and query.shape[2] != key.shape[2]:
+        raise NotImplementedError(
+            f"{_where(module)}: sliding_window={sliding_window!r} in non-causal attention with a padding mask and "
+            f"{query.shape[2]} queries against {key.shape[2]} keys (cross-attention) is not supported: the window's "
+            "alignment of queries to the unpadded keys is not defined. Use attn_implementation='sdpa' for it."
+        )
+    # Non-causal without a window: the mask describes the keys (for cross-attention, only the keys), every query row
+    # is computed; a bidirectional window needs the query positions, so it keeps the self-attention unpadding.
+    keys_only = keys_only and sliding_window is None
     packed = None if attention_mask is not None else _packed_sequences(module, query, key, kwargs)
     documents = None if attention_mask is not None or packed is not None else _documents(
         kwargs.get("position_ids"), query, key)
@@ -187,7 +240,6 @@ def flash_attn_hopper_attention_forward(
                 "torch.autocast(device_type='cuda', dtype=torch.bfloat16)"
             )
 
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window_size = (-1, -1)
     if sliding_window is not None:
         # transformers' sliding window W: a query sees itself and the W - 1 keys before it (and, bidirectional, the
@@ -208,25 +260,47 @@ def flash_attn_hopper_attention_forward(
         attn_output = _interface.attention_varlen(query[0], key[0], value[0], cu_q, cu_k, max_q, max_k, **options)
         return attn_output.unsqueeze(0), None
     if attention_mask is not None:
-        return _padded_attention(attention_mask, query, key, value, options), None
+        return _padded_attention(attention_mask, query, key, value, options, keys_only), None
     return _interface.attention(query, key, value, document_ids=documents, **options), None
 
 
-def _is_padding_mask(attention_mask, query, key):
+def _is_padding_mask(attention_mask, query, key, causal):
     """Whether attention_mask is the 2D boolean (batch, kv_length) padding mask that transformers' flash-attention
-    mask function (and so ``flash_attn_hopper_mask``) passes on; query and key are (batch, nheads, seqlen, head_dim)."""
+    mask function (and so ``flash_attn_hopper_mask``) passes on; query and key are (batch, nheads, seqlen, head_dim).
+    Causal attention takes the queries' positions from its last columns, so it needs kv_length >= q_length; a
+    non-causal one (cross-attention: an encoder's mask) describes the keys only."""
     return (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dim() == 2
         and attention_mask.dtype == torch.bool
         and attention_mask.shape[0] == query.shape[0]
-        and attention_mask.shape[1] == key.shape[2] >= query.shape[2]
+        and attention_mask.shape[1] == key.shape[2]
+        and (key.shape[2] >= query.shape[2] or not causal)
         and attention_mask.device == query.device
     )
 
 
-# Padding masks already turned into token indices -> (q_length, result of _unpadding), per CUDA stream. The layers of
-# one forward get the same mask tensor, so it is read from the device once per forward.
+def _mask_problem(attention_mask, query, key, causal):
+    """Why attention_mask is not a padding mask ``_is_padding_mask`` accepts (the middle of a ValueError)."""
+    expected = (f"the 2D torch.bool (batch, key length) = ({query.shape[0]}, {key.shape[2]}) padding mask on "
+                f"{query.device} that its mask function passes on (padded batches run through the variable-length "
+                "kernel)")
+    if not isinstance(attention_mask, torch.Tensor):
+        return f"got an attention_mask of type {type(attention_mask).__name__}; flash_attn_hopper takes {expected}."
+    shape = tuple(attention_mask.shape)
+    if attention_mask.dim() != 2:
+        return (f"got an attention_mask of shape {shape}; flash_attn_hopper takes causal or full attention, and "
+                f"{expected}; this one is a {attention_mask.dim()}D or custom mask.")
+    if tuple(shape) == (query.shape[0], key.shape[2]) and attention_mask.dtype == torch.bool and causal:
+        return (f"got a 2D padding mask with {key.shape[2]} key positions for {query.shape[2]} queries in causal "
+                "attention, which aligns the queries with the mask's last columns: it needs at least as many keys as "
+                "queries.")
+    return (f"got a 2D attention_mask of shape {shape}, dtype {attention_mask.dtype} on {attention_mask.device}; "
+            f"flash_attn_hopper takes {expected}.")
+
+
+# Padding masks already turned into token indices -> {(q_length, keys_only): result of _unpadding}, per CUDA stream.
+# The layers of one forward get the same mask tensor, so it is read from the device once per forward.
 _UNPADDING = _ValueNotes()
 
 
@@ -237,40 +311,58 @@ _TRACED_MASK_REFUSAL = ("flash_attn_hopper: an attention_mask cannot be traced b
                         "instead")
 
 
-def _unpadding(attention_mask, q_length):
+def _unpadding(attention_mask, q_length, keys_only=False):
     """(indices_q, indices_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a (batch, kv_length) padding
-    mask whose last q_length columns are the queries' positions (the keys before them come from a cache)."""
+    mask whose last q_length columns are the queries' positions (the keys before them come from a cache); with
+    keys_only, the mask describes the keys alone and every row's q_length queries form its sequence (indices_q None)."""
     if attention_mask.is_cuda and _capturing(attention_mask.device):
         # (a cached result would replay the warm-up's padding whatever mask the graph is later given)
         raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be used inside a CUDA graph capture: its "
                            "sequence lengths are read on the host; pack the batch (position_ids) instead")
     if torch.jit.is_tracing():  # the same: the trace would keep the trace-time lengths as constants
         raise RuntimeError(_TRACED_MASK_REFUSAL)
-    cached = _UNPADDING.get(attention_mask, attention_mask.device)
-    if cached is not _ValueNotes.MISSING and cached[0] == q_length:
-        return cached[1]
-    mask_k = attention_mask
-    mask_q = attention_mask[:, attention_mask.shape[1] - q_length:]  # (not [:, -q_length:]: -0 takes every column)
-    lengths = torch.stack([mask_q.sum(-1, dtype=torch.int32), mask_k.sum(-1, dtype=torch.int32)])
-    cu = torch.nn.functional.pad(lengths.cumsum(-1, dtype=torch.int32), (1, 0))
-    indices_q = mask_q.flatten().nonzero().flatten()
-    indices_k = mask_k.flatten().nonzero().flatten()
-    longest_q, longest_k = (max(row, default=0) for row in lengths.tolist())  # the one host read
-    result = (indices_q, indices_k, cu[0], cu[1], longest_q, longest_k)
-    _UNPADDING.put(attention_mask, (q_length, result), attention_mask.device)
-    return result
+    # One entry per mask: BART's encoder mask serves the encoder (keys only, q_length = kv_length) and the
+    # cross-attention (another q_length) in one forward.
+    notes = _UNPADDING.get(attention_mask, attention_mask.device)
+    if notes is _ValueNotes.MISSING:
+        notes = {}
+    key = (q_length, keys_only)
+    if key not in notes:
+        batch, kv_length = attention_mask.shape
+        mask_k = attention_mask
+        if keys_only:
+            length_k = mask_k.sum(-1, dtype=torch.int32)
+            cu_k = torch.nn.functional.pad(length_k.cumsum(-1, dtype=torch.int32), (1, 0))
+            cu_q = torch.arange(batch + 1, dtype=torch.int32, device=mask_k.device) * q_length
+            longest_k = max(length_k.tolist(), default=0)  # the one host read
+            notes[key] = (None, mask_k.flatten().nonzero().flatten(), cu_q, cu_k, q_length, longest_k)
+        else:
+            mask_q = mask_k[:, kv_length - q_length:]  # (not [:, -q_length:]: -0 takes every column)
+            lengths = torch.stack([mask_q.sum(-1, dtype=torch.int32), mask_k.sum(-1, dtype=torch.int32)])
+            cu = torch.nn.functional.pad(lengths.cumsum(-1, dtype=torch.int32), (1, 0))
+            indices_q = mask_q.flatten().nonzero().flatten()
+            indices_k = mask_k.flatten().nonzero().flatten()
+            longest_q, longest_k = (max(row, default=0) for row in lengths.tolist())  # the one host read
+            notes[key] = (indices_q, indices_k, cu[0], cu[1], longest_q, longest_k)
+        _UNPADDING.put(attention_mask, notes, attention_mask.device)
+    return notes[key]
 
 
-def _padded_attention(attention_mask, query, key, value, options):
+def _padded_attention(attention_mask, query, key, value, options, keys_only=False):
     """A padded batch through ``attention_varlen``, as transformers' flash-attention path does it: the kept tokens of
     each row form one sequence (queries: the row's last q_length positions), causal masks and windows align
-    bottom-right per sequence, and padded query rows get output 0. query/key/value: (batch, seqlen, nheads, head_dim)
-    views; returns (batch, seqlen_q, nheads, head_dim_v)."""
+    bottom-right per sequence, and padded query rows get output 0. With keys_only (non-causal attention, e.g.
+    cross-attention to a padded encoder output) only the keys are unpadded and every query row is computed, as in
+    eager. query/key/value: (batch, seqlen, nheads, head_dim) views; returns (batch, seqlen_q, nheads, head_dim_v)."""
     batch, q_length, nheads, _ = query.shape
-    indices_q, indices_k, cu_q, cu_k, max_q, max_k = _unpadding(attention_mask, q_length)
-    q = query.reshape(batch * q_length, nheads, query.shape[-1]).index_select(0, indices_q)
+    indices_q, indices_k, cu_q, cu_k, max_q, max_k = _unpadding(attention_mask, q_length, keys_only)
+    q = query.reshape(batch * q_length, nheads, query.shape[-1])
+    if indices_q is not None:
+        q = q.index_select(0, indices_q)
     k, v = (t.reshape(batch * t.shape[1], t.shape[2], t.shape[3]).index_select(0, indices_k) for t in (key, value))
     out = _interface.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+    if indices_q is None:
+        return out.view(batch, q_length, nheads, out.shape[-1])
     full = out.new_zeros(batch * q_length, nheads, out.shape[-1]).index_copy(0, indices_q, out)
     return full.view(batch, q_length, nheads, out.shape[-1])
 
