@@ -414,7 +414,9 @@ def _graph_tracing(q=None):
     cannot record)."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return True
-    if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS):
+    # (every dispatch mode puts the Python key in the thread's include set: one query when none is active)
+    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python) and any(
+            torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS):
         return True
     return isinstance(q, torch.Tensor) and torch._is_functional_tensor(q)
 
@@ -531,7 +533,9 @@ def _document_bounds(document_ids, compiling):
         return document_bounds(document_ids)
     bounds = _DOCUMENT_BOUNDS.get(document_ids, document_ids.device)
     if bounds is _ValueNotes.MISSING:
-        bounds = document_bounds(document_ids)
+        # normal tensors even inside inference_mode: kept bounds may serve a training call, whose op saves them
+        with torch.inference_mode(False):
+            bounds = document_bounds(document_ids)
         _DOCUMENT_BOUNDS.put(document_ids, bounds, document_ids.device)
     return bounds
 
@@ -600,25 +604,26 @@ def _check_cu_seqlens_meta(name, cu, q):
 
 def _cu_seqlens_summary(name, cu):
     """((first, last, longest), checked) of a cu_seqlens tensor whose entries are checked to be >= 0 and
-    non-decreasing; read from the device once per tensor version (see _ValueNotes). ``checked`` holds the values that
-    were read: a copy made on the current stream when they were, which the kernels get in place of ``cu`` (the launch
-    is shaped by the summary, so a write to ``cu`` that bypasses its version counter, e.g. torch.distributed's
-    in-place collectives or a Triton kernel, must not reach them: they would index past the tensors' rows)."""
+    non-decreasing; read from the device once per tensor version (see _ValueNotes). ``checked`` is the copy, made on
+    the current stream, whose values were read, which the kernels get in place of ``cu`` (the launch is shaped by the
+    summary, so a write to ``cu`` that bypasses its version counter, e.g. torch.distributed's in-place collectives or
+    a Triton kernel, must not reach them: they would index past the tensors' rows)."""
     cached = _CHECKED_CU_SEQLENS.get(cu, cu.device)
     if cached is not _ValueNotes.MISSING:
         return cached
-    values = cu.tolist()  # one small device-to-host copy
+    # The copy first, then its values: a writer on another stream cannot change what is checked after the check. A
+    # normal tensor even inside inference_mode: a training call may get it later, and the op saves it for backward.
+    with torch.inference_mode(False):
+        checked = cu.clone()
+    values = checked.tolist()  # one small device-to-host copy
     if values[0] < 0:
         raise ValueError(f"{name} must start at an offset >= 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values[:-1], values[1:])]
     if any(n < 0 for n in lengths):
         i = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(f"{name} must be non-decreasing, but entry {i + 1} ({values[i + 1]}) < entry {i} ({values[i]})")
-    summary = (values[0], values[-1], max(lengths, default=0))
-    if cu.is_inference():  # never kept (no version counter): the values just read are cu's own
-        return summary, cu
-    result = (summary, cu.clone())  # ordered after the read on this stream, so it holds the values read
-    _CHECKED_CU_SEQLENS.put(cu, result, cu.device)
+    result = ((values[0], values[-1], max(lengths, default=0)), checked)
+    _CHECKED_CU_SEQLENS.put(cu, result, cu.device)  # (not for an inference tensor: no version counter)
     return result
 
 
@@ -643,9 +648,10 @@ def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _bounded_offsets(cu, rows):
     """cu_seqlens as the kernels may take them without a host check: each entry clamped to [0, rows], then the running
-    maximum (valid values come back unchanged). Device ops only, so graphs and captures record them; clamp_max, not
-    clamp(0, rows): rows is a tensor under torch.jit.trace."""
-    return torch.cummax(cu.clamp_min(0).clamp_max(rows), dim=0).values
+    maximum (valid values come back unchanged). Two device ops, which graphs and captures record (torch.jit.trace: a
+    third, as rows is a traced tensor there, which clamp's Scalar bounds do not take)."""
+    clamped = cu.clamp_min(0).clamp_max(rows) if torch.jit.is_tracing() else cu.clamp(0, rows)
+    return torch.cummax(clamped, dim=0).values
 
 
 def _check_max_seqlen(name, value):
@@ -779,7 +785,8 @@ def attention_varlen(
             not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
             below the longest sequence, negative, or 2^31 or more; more than 65535 sequences; sequences x nheads x
             ceil(min(max_seqlen_q, cu_seqlens_q[-1]) / 128) (the forward's tiles; under torch.compile,
-            torch.jit.trace or a CUDA graph capture q's rows instead of cu_seqlens_q[-1]) of 2^31 - 1024 or more while
+            torch.jit.trace, another tracer (make_fx, AOTAutograd, functionalize, fake tensors) or a CUDA graph
+            capture q's rows instead of cu_seqlens_q[-1]) of 2^31 - 1024 or more while
             there are keys.
         RuntimeError: the compiled extension is not available; under torch.compile, when the graph runs, a max_seqlen
             computed from data in the compiled code that is out of range or makes too many forward tiles (a runtime
@@ -831,7 +838,10 @@ def attention_varlen(
         # Trusted values reach the kernels only as offsets in [0, rows], non-decreasing: the kernels index q, k, v,
         # the outputs and the backward's workspaces by them, so a bad value (a last entry past the rows, a negative or
         # decreasing entry) leaves rows unwritten instead of reading and writing past the tensors.
-        args = (_bounded_offsets(cu_seqlens_q, q.shape[0]), _bounded_offsets(cu_seqlens_k, k.shape[0]), *scalars)
+        bounded_q = _bounded_offsets(cu_seqlens_q, q.shape[0])
+        bounded_k = (bounded_q if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0]  # self-attention: once
+                     else _bounded_offsets(cu_seqlens_k, k.shape[0]))
+        args = (bounded_q, bounded_k, *scalars)
         out, lse = torch.ops.flash_attn_hopper.fwd_varlen.default(q, k, v, *args)
         return (out, lse) if return_lse else out
     # Rows past the last sequence belong to none (a preallocated buffer may hold anything there): the kernels get views

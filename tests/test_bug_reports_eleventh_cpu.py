@@ -12,6 +12,7 @@ kernels would read and write out of bounds).
   any op, as for NaN or a negative value."""
 
 import fractions
+import importlib.util
 
 import numpy as np
 import pytest
@@ -30,6 +31,10 @@ def cpu_ops(monkeypatch):
 
 def _half(*shape):
     return torch.randn(*shape).half()
+
+
+requires_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                           reason="transformers is not installed (CI installs it)")
 
 
 # ------------------------------------------------------- BV: cu_seqlens written behind the version counter's back
@@ -216,7 +221,7 @@ def test_functionalize_runs_attention_varlen(cpu_ops):
     ([-5, 10, 40], [0, 10, 40]),  # a negative first entry (LSE writes before the tensor)
     ([0, 30, 20, 40], [0, 30, 30, 40]),  # decreasing: a negative length
 ], ids=["past_the_rows", "negative", "decreasing"])
-@pytest.mark.parametrize("path", ["compile", "capture", "make_fx"])
+@pytest.mark.parametrize("path", ["compile", "capture", "make_fx", "jit_trace"])
 def test_trusted_cu_seqlens_stay_inside_the_tensors(cpu_ops, monkeypatch, values, bounded, path):
     """Under torch.compile, a CUDA graph capture or another tracer the values of cu_seqlens are not read on the host
     (documented: the caller's to get right), and the kernels took them as given: an offset past the rows or below 0
@@ -239,14 +244,22 @@ def test_trusted_cu_seqlens_stay_inside_the_tensors(cpu_ops, monkeypatch, values
     elif path == "capture":
         monkeypatch.setattr(interface, "_capturing", lambda device: True)
         run = call
-    else:
+    elif path == "make_fx":
         from torch.fx.experimental.proxy_tensor import make_fx
 
         run = make_fx(call)(q.detach(), k.detach(), v.detach(), torch.tensor([0, 20, 40], dtype=torch.int32))
         CALLS.clear()  # (the trace ran the op once)
+    else:
+        import warnings
+
+        valid = torch.tensor([0, 20, 40], dtype=torch.int32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TracerWarnings of the shape checks
+            run = torch.jit.trace(call, (q.detach(), k.detach(), v.detach(), valid), check_trace=False)
+        CALLS.clear()
     out, lse = run(q, k, v, cu)
     assert [c[0] for c in CALLS] == ["fwd_varlen"]
-    if path != "make_fx":  # (make_fx's graph is not differentiable)
+    if path not in ("make_fx", "jit_trace"):  # (their graphs are not differentiable here)
         (out.float().sum() + lse[torch.isfinite(lse)].sum()).backward()
         assert [c[0] for c in CALLS] == ["fwd_varlen", "bwd_varlen"]
     monkeypatch.setattr(interface, "_capturing", lambda device: False)
@@ -254,3 +267,55 @@ def test_trusted_cu_seqlens_stay_inside_the_tensors(cpu_ops, monkeypatch, values
                                           torch.tensor(bounded, dtype=torch.int32), 40, 40, causal=True,
                                           return_lse=True)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@requires_transformers
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_transformers_padding_mask_refused_under_make_fx(tracing_mode):
+    """The transformers integration reads a padding mask's lengths on the host (and keeps the unpadding per mask
+    tensor): under make_fx a real-mode trace kept an earlier eager call's indices as constants (a replay with another
+    mask silently used the old padding) and a fake-mode one failed in the host read naming nothing. Refused by name,
+    as under torch.jit.trace (test_bug_reports_eighth_cpu.py)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from flash_attn_hopper.integrations import transformers as fah_transformers
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    fah_transformers._unpadding(mask, 5)  # an eager call first: its cached indices must not enter a graph
+    with pytest.raises(RuntimeError, match="make_fx"):
+        make_fx(lambda m: fah_transformers._unpadding(m, 5)[1], tracing_mode=tracing_mode)(mask)
+
+
+# ------------------------------------------------- CE: values cached in inference_mode served to a training step
+
+
+@pytest.mark.parametrize("entry", ["varlen", "documents"])
+def test_cached_values_from_an_inference_mode_call_serve_a_training_step(cpu_ops, entry):
+    """An evaluation under torch.inference_mode() (Lightning's sanity check runs one before the first training step)
+    cached what it computed from a normal cu_seqlens or document_ids tensor as inference tensors; the next training
+    call with the same tensor handed them to the op, whose autograd node cannot save them ("Inference tensors cannot
+    be saved for backward"; https://github.com/state-spaces/s4/issues/169 from CUDA kernels under Lightning,
+    https://github.com/snowflakedb/ArcticTraining/pull/265 when mixing train and eval). The cached copy and bounds
+    are normal tensors now; the training step runs forward and backward and equals one with a fresh tensor."""
+    torch.manual_seed(5)
+    if entry == "varlen":
+        q, k, v = _half(30, 2, 64), _half(30, 2, 64), _half(30, 2, 64)
+        ids = torch.tensor([0, 12, 30], dtype=torch.int32)
+
+        def call(q, k, v, ids):
+            return attention_varlen(q, k, v, ids, ids, 18, 18, causal=True)
+    else:
+        q, k, v = _half(1, 30, 2, 64), _half(1, 30, 2, 64), _half(1, 30, 2, 64)
+        ids = torch.tensor([[0] * 12 + [1] * 18])
+
+        def call(q, k, v, ids):
+            return attention(q, k, v, causal=True, document_ids=ids)
+
+    with torch.inference_mode():
+        call(q, k, v, ids)
+    grads = []
+    for tensor in (ids, ids.clone()):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        call(*leaves, tensor).float().square().sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -662,9 +662,12 @@ def test_zero_dim_tensor_rank_error(which):
 def test_varlen_cu_seqlens_inference_mode_not_cached():
     with torch.inference_mode():
         cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        copies = []
         for _ in range(2):
             summary, checked = interface._cu_seqlens_summary("cu", cu)
-            assert summary == (0, 9, 5) and checked is cu  # nothing kept: the values just read are cu's own
+            assert summary == (0, 9, 5) and torch.equal(checked, cu) and not checked.is_inference()
+            copies.append(checked)
+        assert copies[0] is not copies[1]  # nothing kept: read (and copied) again
 
 
 @pytest.mark.parametrize("bad", [1, None, "yes"], ids=["int", "None", "str"])

@@ -306,9 +306,17 @@ _UNPADDING = _ValueNotes()
 
 # An attention_mask's padding is read on the host (by _unpadding, or by transformers to drop an all-ones mask), which a
 # torch.jit.trace would keep for every replay.
-_TRACED_MASK_REFUSAL = ("flash_attn_hopper: an attention_mask cannot be traced by torch.jit.trace: its sequence "
+_TRACED_MASK_REFUSAL = ("flash_attn_hopper: an attention_mask cannot be traced by torch.jit.trace, make_fx, "
+                        "AOTAutograd or torch.export's non-strict mode: its sequence "
                         "lengths are read on the host; pass no attention_mask, or pack the batch (position_ids) "
                         "instead")
+
+
+def _tracing_outside_dynamo():
+    """A tracer that runs this Python code and keeps what it reads on the host as constants (torch.jit.trace, make_fx,
+    AOTAutograd, torch.export's non-strict mode, fake tensors: interface._graph_tracing); dynamo instead breaks the
+    graph at the host read (or raises with fullgraph=True), as README says."""
+    return _interface._graph_tracing() and not torch.compiler.is_dynamo_compiling()
 
 
 def _unpadding(attention_mask, q_length, keys_only=False):
@@ -319,7 +327,7 @@ def _unpadding(attention_mask, q_length, keys_only=False):
         # (a cached result would replay the warm-up's padding whatever mask the graph is later given)
         raise RuntimeError("flash_attn_hopper: a padding attention_mask cannot be used inside a CUDA graph capture: its "
                            "sequence lengths are read on the host; pack the batch (position_ids) instead")
-    if torch.jit.is_tracing():  # the same: the trace would keep the trace-time lengths as constants
+    if _tracing_outside_dynamo():  # the same: the trace would keep the trace-time lengths as constants
         raise RuntimeError(_TRACED_MASK_REFUSAL)
     # One entry per mask: BART's encoder mask serves the encoder (keys only, q_length = kv_length) and the
     # cross-attention (another q_length) in one forward.
@@ -520,7 +528,7 @@ def flash_attn_hopper_mask(
                     "are filled (a StaticCache or other preallocated cache); without an attention_mask the empty "
                     "positions would be attended. Use a DynamicCache, or attn_implementation='sdpa'."
                 )
-    if attention_mask is not None and torch.jit.is_tracing():
+    if attention_mask is not None and _tracing_outside_dynamo():
         # transformers drops an all-ones mask by a host read, and a trace would keep that as "no padding" for every
         # replay (as it would keep the lengths of one with padding: _unpadding refuses those by the same message)
         raise RuntimeError(_TRACED_MASK_REFUSAL)
