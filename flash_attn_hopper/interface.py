@@ -815,7 +815,6 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
         deterministic, compiling))
     max_seqlen_q, max_seqlen_k = scalars[0], scalars[1]
-    args = (cu_seqlens_q, cu_seqlens_k, *scalars)  # this call's cu_seqlens (the cache keeps no tensor)
     # Under torch.compile, torch.jit.trace and inside a CUDA graph capture, what is launched does not depend on
     # cu_seqlens' values (a capture forbids the host read; a replay must follow the values it finds): the kernels take
     # every row, read the boundaries on the device and write the rows outside the sequences themselves. The values
