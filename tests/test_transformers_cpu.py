@@ -998,3 +998,24 @@ def test_model_keywords_are_accepted(fah_tf, spy, allow_float32, model_type):
     model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(18), output_hidden_states=True)
     model(input_ids=ids, use_cache=True, output_attentions=False)
     assert len(spy.calls) == 4
+
+
+@requires_transformers
+def test_padding_mask_unpadded_in_inference_mode_serves_a_training_step(fah_tf, reference_kernel):
+    """The unpadding of a mask is kept per mask tensor: one computed during an evaluation under torch.inference_mode()
+    held inference tensors, and a training step given the same mask saved its indices for backward
+    (index_select), which raised "Inference tensors cannot be saved for backward" (eleventh round, class CE;
+    https://github.com/state-spaces/s4/issues/169)."""
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, :3] = False
+    q, k, v = _qkv(batch=2, seqlen_q=8, dtype=torch.float32)
+    with torch.inference_mode():
+        fah_tf.flash_attn_hopper_attention_forward(_module(), q, k, v, mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = fah_tf.flash_attn_hopper_attention_forward(_module(), *leaves, mask)
+    out.square().sum().backward()
+    fresh = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_fresh, _ = fah_tf.flash_attn_hopper_attention_forward(_module(), *fresh, mask.clone())
+    out_fresh.square().sum().backward()
+    assert torch.equal(out, out_fresh)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, fresh))
