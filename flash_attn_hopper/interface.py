@@ -264,7 +264,7 @@ def _check_window(window_size, causal):
 
 def _check_softcap(softcap, softmax_scale):
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+        raise TypeError(f"softcap must be a real number (float or int), got {type(softcap).__name__}")
     softcap = _as_float("softcap", softcap)
     # Comparisons, not math.isfinite: under torch.compile(dynamic=True) softcap may be a symbolic float (NaN fails
     # both tests).

@@ -210,7 +210,7 @@ def test_dropout_rejected(fah_tf, spy):
         # 2D, not the boolean mask transformers passes on
         (torch.ones(2, 8, dtype=torch.long), r"2D attention_mask of shape \(2, 8\), dtype torch\.int64"),
         # 2D boolean, shorter than the keys (a StaticCache's)
-        (torch.ones(2, 7, dtype=torch.bool), r"2D attention_mask of shape \(2, 7\).*\(batch, key length\) = \(2, 8\)"),
+        (torch.ones(2, 7, dtype=torch.bool), r"2D attention_mask of 7 positions for 8 key/value positions: a StaticCache"),
         (torch.zeros(2, 1, 8, 8), r"attention_mask of shape .*4D or custom"),  # 4D additive mask
         (torch.ones(2, 1, 8, 8, dtype=torch.bool), r"attention_mask of shape .*4D or custom"),  # 4D boolean mask
     ],
@@ -635,6 +635,14 @@ def test_model_static_cache_raises(fah_tf, spy, allow_float32):
     cache = StaticCache(config=config, max_cache_len=32)
     with pytest.raises(ValueError, match="StaticCache"):
         model(input_ids=ids, past_key_values=cache, use_cache=True)
+    # with an attention_mask (what generate(cache_implementation="static") passes) the message names the cache too,
+    # not only the mask's shape
+    with pytest.raises(ValueError, match="StaticCache"):
+        model(input_ids=ids, attention_mask=torch.ones(1, 8, dtype=torch.long),
+              past_key_values=StaticCache(config=config, max_cache_len=32), use_cache=True)
+    with pytest.raises(ValueError, match="StaticCache"):
+        model.generate(ids, attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=2,
+                       cache_implementation="static", do_sample=False)
     assert not spy.calls
 
 

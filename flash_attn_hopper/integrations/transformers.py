@@ -291,6 +291,10 @@ def _mask_problem(attention_mask, query, key, causal):
     if attention_mask.dim() != 2:
         return (f"got an attention_mask of shape {shape}; flash_attn_hopper takes causal or full attention, and "
                 f"{expected}; this one is a {attention_mask.dim()}D or custom mask.")
+    if shape[0] == query.shape[0] and shape[1] < key.shape[2]:
+        return (f"got a 2D attention_mask of {shape[1]} positions for {key.shape[2]} key/value positions: a StaticCache "
+                "(also generate(..., cache_implementation='static')) or another preallocated cache returns positions "
+                "not filled yet, with or without an attention_mask; use a DynamicCache (generate's default).")
     if tuple(shape) == (query.shape[0], key.shape[2]) and attention_mask.dtype == torch.bool and causal:
         return (f"got a 2D padding mask with {key.shape[2]} key positions for {query.shape[2]} queries in causal "
                 "attention, which aligns the queries with the mask's last columns: it needs at least as many keys as "
