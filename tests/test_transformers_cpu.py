@@ -370,6 +370,19 @@ def test_mask_function_recognises_sliding_causal_only(fah_tf):
 
 
 @requires_transformers
+def test_sliding_window_pattern_recognised_under_a_fake_tensor_mode(fah_tf):
+    """The pattern check evaluates the mask function on small index tensors of its own: under a FakeTensorMode (shape
+    tracing, torch.export's non-strict mode) they were fake and torch.equal raised DataDependentOutputException, so
+    Mistral / Gemma 2 models failed there while SDPA ran (session 44's new-user trial)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    with FakeTensorMode():
+        assert fah_tf._is_sliding_causal(sliding_window_causal_mask_function(8), 8)
+        assert not fah_tf._is_sliding_causal(sliding_window_causal_mask_function(9), 8)
+
+
+@requires_transformers
 def test_autocast_casts_to_the_autocast_dtype(fah_tf, spy):
     """With float32 weights under autocast, Llama hands over float32 query/key (rotary embedding in float32) and a
     bfloat16 value; all three must reach the kernel in the autocast dtype."""

@@ -41,6 +41,7 @@ Tested with transformers 5.17.0. This module imports transformers; ``import flas
 import os
 
 import torch
+from torch.utils import _python_dispatch
 
 try:
     import transformers
@@ -473,14 +474,17 @@ def _is_sliding_causal(mask_function, window):
     ``sliding_window_causal_mask_function(window)``), checked at the window's edges for a few query positions."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         return False
-    q = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3]).view(-1, 1)
-    kv = (q + torch.tensor([-window - 1, -window, -window + 1, -1, 0, 1])).clamp(min=0)
-    zero = torch.tensor(0)
-    try:
-        got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(kv.shape)
-    except Exception:  # not index-based; cannot be recognised
-        return False
-    return bool(torch.equal(got, (kv <= q) & (kv > q - window)))
+    # Plain host tensors of its own, outside any dispatch mode: under a FakeTensorMode (torch.export's non-strict
+    # mode, shape tracing) they would be fake, and the comparison's value data-dependent.
+    with _python_dispatch._disable_current_modes():
+        q = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3]).view(-1, 1)
+        kv = (q + torch.tensor([-window - 1, -window, -window + 1, -1, 0, 1])).clamp(min=0)
+        zero = torch.tensor(0)
+        try:
+            got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(kv.shape)
+        except Exception:  # not index-based; cannot be recognised
+            return False
+        return bool(torch.equal(got, (kv <= q) & (kv > q - window)))
 
 
 def flash_attn_hopper_mask(
