@@ -531,13 +531,7 @@ def _document_bounds(document_ids, compiling):
     # cache.
     if compiling or (document_ids.is_cuda and _capturing(document_ids.device)):
         return document_bounds(document_ids)
-    bounds = _DOCUMENT_BOUNDS.get(document_ids, document_ids.device)
-    if bounds is _ValueNotes.MISSING:
-        # normal tensors even inside inference_mode: kept bounds may serve a training call, whose op saves them
-        with torch.inference_mode(False):
-            bounds = document_bounds(document_ids)
-        _DOCUMENT_BOUNDS.put(document_ids, bounds, document_ids.device)
-    return bounds
+    return _DOCUMENT_BOUNDS.computed(document_ids, lambda: document_bounds(document_ids), document_ids.device)
 
 
 # ---------------------------------------------------------------------------------------------- variable length
@@ -574,6 +568,17 @@ class _ValueNotes:
             entry = self._entries[key] = (ref, t._version, {})
         entry[2][_stream_key(device)] = value
 
+    def computed(self, t, compute, device=None):
+        """get, else compute() then put. compute runs outside inference_mode: a result kept from an evaluation under
+        torch.inference_mode() may serve a training call with the same tensor, whose op saves it for backward
+        (inference tensors cannot be saved)."""
+        value = self.get(t, device)
+        if value is self.MISSING:
+            with torch.inference_mode(False):
+                value = compute()
+            self.put(t, value, device)
+        return value
+
 
 def _stream_key(device):
     """The handle of `device`'s current stream for results on a CUDA device; None for results on the host or the CPU."""
@@ -608,13 +613,12 @@ def _cu_seqlens_summary(name, cu):
     the current stream, whose values were read, which the kernels get in place of ``cu`` (the launch is shaped by the
     summary, so a write to ``cu`` that bypasses its version counter, e.g. torch.distributed's in-place collectives or
     a Triton kernel, must not reach them: they would index past the tensors' rows)."""
-    cached = _CHECKED_CU_SEQLENS.get(cu, cu.device)
-    if cached is not _ValueNotes.MISSING:
-        return cached
-    # The copy first, then its values: a writer on another stream cannot change what is checked after the check. A
-    # normal tensor even inside inference_mode: a training call may get it later, and the op saves it for backward.
-    with torch.inference_mode(False):
-        checked = cu.clone()
+    return _CHECKED_CU_SEQLENS.computed(cu, lambda: _read_cu_seqlens(name, cu), cu.device)
+
+
+def _read_cu_seqlens(name, cu):
+    # The copy first, then its values: a writer on another stream cannot change what is checked after the check.
+    checked = cu.clone()
     values = checked.tolist()  # one small device-to-host copy
     if values[0] < 0:
         raise ValueError(f"{name} must start at an offset >= 0, got {values[0]}")
@@ -622,9 +626,7 @@ def _cu_seqlens_summary(name, cu):
     if any(n < 0 for n in lengths):
         i = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(f"{name} must be non-decreasing, but entry {i + 1} ({values[i + 1]}) < entry {i} ({values[i]})")
-    result = ((values[0], values[-1], max(lengths, default=0)), checked)
-    _CHECKED_CU_SEQLENS.put(cu, result, cu.device)  # (not for an inference tensor: no version counter)
-    return result
+    return (values[0], values[-1], max(lengths, default=0)), checked
 
 
 def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

@@ -336,35 +336,31 @@ def _unpadding(attention_mask, q_length, keys_only=False):
         raise RuntimeError(_TRACED_MASK_REFUSAL)
     # One entry per mask: BART's encoder mask serves the encoder (keys only, q_length = kv_length) and the
     # cross-attention (another q_length) in one forward.
-    notes = _UNPADDING.get(attention_mask, attention_mask.device)
-    if notes is _ValueNotes.MISSING:
-        notes = {}
+    notes = _UNPADDING.computed(attention_mask, dict, attention_mask.device)
     key = (q_length, keys_only)
     if key not in notes:
-        notes[key] = _unpadding_of(attention_mask, q_length, keys_only)
-        _UNPADDING.put(attention_mask, notes, attention_mask.device)
+        with torch.inference_mode(False):  # as _ValueNotes.computed: a training step's index_select saves the indices
+            notes[key] = _unpadding_of(attention_mask, q_length, keys_only)
     return notes[key]
 
 
 def _unpadding_of(attention_mask, q_length, keys_only):
-    """_unpadding's result, computed (normal tensors even inside inference_mode: a kept result may serve a training
-    step, whose index_select saves the indices for backward)."""
-    with torch.inference_mode(False):
-        batch, kv_length = attention_mask.shape
-        mask_k = attention_mask
-        if keys_only:
-            length_k = mask_k.sum(-1, dtype=torch.int32)
-            cu_k = torch.nn.functional.pad(length_k.cumsum(-1, dtype=torch.int32), (1, 0))
-            cu_q = torch.arange(batch + 1, dtype=torch.int32, device=mask_k.device) * q_length
-            longest_k = max(length_k.tolist(), default=0)  # the one host read
-            return None, mask_k.flatten().nonzero().flatten(), cu_q, cu_k, q_length, longest_k
-        mask_q = mask_k[:, kv_length - q_length:]  # (not [:, -q_length:]: -0 takes every column)
-        lengths = torch.stack([mask_q.sum(-1, dtype=torch.int32), mask_k.sum(-1, dtype=torch.int32)])
-        cu = torch.nn.functional.pad(lengths.cumsum(-1, dtype=torch.int32), (1, 0))
-        indices_q = mask_q.flatten().nonzero().flatten()
-        indices_k = mask_k.flatten().nonzero().flatten()
-        longest_q, longest_k = (max(row, default=0) for row in lengths.tolist())  # the one host read
-        return indices_q, indices_k, cu[0], cu[1], longest_q, longest_k
+    """_unpadding's result for one (q_length, keys_only)."""
+    batch, kv_length = attention_mask.shape
+    mask_k = attention_mask
+    if keys_only:
+        length_k = mask_k.sum(-1, dtype=torch.int32)
+        cu_k = torch.nn.functional.pad(length_k.cumsum(-1, dtype=torch.int32), (1, 0))
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=mask_k.device) * q_length
+        longest_k = max(length_k.tolist(), default=0)  # the one host read
+        return None, mask_k.flatten().nonzero().flatten(), cu_q, cu_k, q_length, longest_k
+    mask_q = mask_k[:, kv_length - q_length:]  # (not [:, -q_length:]: -0 takes every column)
+    lengths = torch.stack([mask_q.sum(-1, dtype=torch.int32), mask_k.sum(-1, dtype=torch.int32)])
+    cu = torch.nn.functional.pad(lengths.cumsum(-1, dtype=torch.int32), (1, 0))
+    indices_q = mask_q.flatten().nonzero().flatten()
+    indices_k = mask_k.flatten().nonzero().flatten()
+    longest_q, longest_k = (max(row, default=0) for row in lengths.tolist())  # the one host read
+    return indices_q, indices_k, cu[0], cu[1], longest_q, longest_k
 
 
 def _padded_attention(attention_mask, query, key, value, options, keys_only=False):
