@@ -22,7 +22,8 @@ Usage::
 
 What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, and
 encoder-decoder cross-attention (a padded encoder's mask describes the keys: BART and the like), sliding windows
-(``config.sliding_window``, e.g. Mistral, Gemma 2's local layers), attention logit soft-capping (Gemma 2's
+(``config.sliding_window``, e.g. Mistral, Gemma 2's local layers; bidirectional ones, e.g. ModernBERT's local
+layers), attention logit soft-capping (Gemma 2's
 ``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim a multiple
 of 8 up to 256 (value's may differ from query's and key's), padded batches (a 2D attention_mask: left or right
 padding, run through ``attention_varlen``; not under torch.compile's fullgraph, which cannot trace the mask's host
@@ -39,6 +40,7 @@ Tested with transformers 5.17.0. This module imports transformers; ``import flas
 """
 
 import os
+import weakref
 
 import torch
 from torch.utils import _python_dispatch
@@ -134,7 +136,10 @@ def flash_attn_hopper_attention_forward(
             is what decoding with a DynamicCache needs (a single query row sees every cached key) and matches
             transformers' flash-attention path; SDPA's ``is_causal`` is aligned top-left.
         sliding_window: transformers' window W (a query sees itself and the W - 1 keys before it): window_size
-            (W - 1, 0), or (W - 1, W - 1) when not causal. softcap: attention logit soft-capping (Gemma 2).
+            (W - 1, 0), or (W - 1, W - 1) when not causal (transformers' flash-attention convention: ModernBERT
+            passes W = H + 1 for its mask ``|i - j| <= H``; a W - 1 other than the H of the bidirectional mask that
+            ``flash_attn_hopper_mask`` was asked for with the module's config raises ValueError, as eager follows the
+            mask). softcap: attention logit soft-capping (Gemma 2).
         kwargs: ``cu_seq_lens_q/k`` and ``max_length_q/k`` (all four, as DataCollatorWithFlattening's
             ``return_flash_attn_kwargs=True`` gives them, batch 1): the packed sequences run through
             ``flash_attn_hopper.attention_varlen``. Otherwise, without an attention_mask and with as many keys as
@@ -158,7 +163,8 @@ def flash_attn_hopper_attention_forward(
 
     Raises:
         ValueError: ``attention_mask`` is not None and not the 2D boolean padding mask described above (or, causal,
-            with fewer keys than queries); no ``is_causal`` argument and no ``module.is_causal``;
+            with fewer keys than queries); no ``is_causal`` argument and no ``module.is_causal``; a non-causal
+            sliding_window whose W - 1 differs from the half-width of the model's bidirectional sliding-window mask;
             ``dropout`` is not 0; a partial set of ``cu_seq_lens_*`` / ``max_length_*``, or them with a batch of more
             than one row; and, from ``flash_attn_hopper.attention``, bad shapes,
             head_dim not a multiple of 8 in [8, 256], tensors not on an sm90 CUDA device.
@@ -248,6 +254,14 @@ def flash_attn_hopper_attention_forward(
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"{_where(module)}: sliding_window must be an int >= 1, got {sliding_window!r}")
         window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
+        mask_half_width = None if causal else _BIDIRECTIONAL_WINDOWS.get(getattr(module, "config", None))
+        if mask_half_width is not None and mask_half_width != sliding_window - 1:
+            raise ValueError(
+                f"{_where(module)}: sliding_window={sliding_window} runs keys within {sliding_window - 1} positions on "
+                "either side (transformers' flash-attention convention), but the model's bidirectional sliding-window "
+                f"mask allows {mask_half_width} (|i - j| <= {mask_half_width}), which eager attention follows; the "
+                f"layer should pass sliding_window={mask_half_width + 1}. Use attn_implementation='sdpa' for this model."
+            )
     # deterministic as transformers' flash-attention path takes it: the keyword, else FLASH_ATTENTION_DETERMINISTIC=1.
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
@@ -483,6 +497,50 @@ def _is_sliding_causal(mask_function, window):
         return bool(torch.equal(got, (kv <= q) & (kv > q - window)))
 
 
+def _is_sliding_bidirectional(mask_function, half_width):
+    """Whether mask_function(batch, head, q, kv) is ``|q - kv| <= half_width`` (transformers'
+    ``sliding_window_bidirectional_mask_function(half_width)``: ModernBERT's local layers and the like), checked on
+    both sides of the band for a few query positions."""
+    if isinstance(half_width, bool) or not isinstance(half_width, int) or half_width < 0:
+        return False
+    with _python_dispatch._disable_current_modes():  # as _is_sliding_causal: plain host tensors
+        w = half_width
+        q = torch.tensor([0, 1, w, w + 1, 2 * w + 3]).view(-1, 1)
+        kv = (q + torch.tensor([-w - 1, -w, -w + 1, -1, 0, 1, w - 1, w, w + 1])).clamp(min=0)
+        zero = torch.tensor(0)
+        try:
+            got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(kv.shape)
+        except Exception:  # not index-based; cannot be recognised
+            return False
+        return bool(torch.equal(got, (kv - q).abs() <= w))
+
+
+class _ConfigNotes:
+    """A value per model config object, kept while the config lives (keyed by identity: configs compare by value)."""
+
+    def __init__(self):
+        self._entries = {}  # id(config) -> (weak reference, value)
+
+    def get(self, config):
+        entry = self._entries.get(id(config))
+        return entry[1] if entry is not None and entry[0]() is config else None
+
+    def put(self, config, value):
+        try:
+            key = id(config)
+            ref = weakref.ref(config, lambda _, key=key: self._entries.pop(key, None))
+        except TypeError:  # not weakly referenceable: nothing kept
+            return
+        self._entries[key] = (ref, value)
+
+
+# Model configs -> the half-width H of the bidirectional sliding-window mask (|i - j| <= H) that transformers asked
+# this mask function for. The attention function runs the layers' window from their sliding_window argument W as
+# (W - 1, W - 1), transformers' flash-attention convention (ModernBERT passes W = H + 1 for it); a layer whose W - 1
+# is not the mask's H would silently differ from eager, so it raises instead.
+_BIDIRECTIONAL_WINDOWS = _ConfigNotes()
+
+
 def flash_attn_hopper_mask(
     batch_size,
     q_length,
@@ -495,9 +553,10 @@ def flash_attn_hopper_mask(
 ):
     """transformers mask function (``AttentionMaskInterface`` signature) for ``flash_attn_hopper``.
 
-    Returns None when the attention is plain causal, plain bidirectional or causal with a sliding window (transformers'
-    ``sliding_window_causal_mask_function``, recognised by its ``local_size`` argument and checked on sample indices)
-    without padding (``attention_mask`` None or all ones), so the attention function runs the kernel's own masking;
+    Returns None when the attention is plain causal, plain bidirectional or with a sliding window (transformers'
+    ``sliding_window_causal_mask_function`` or ``sliding_window_bidirectional_mask_function``, recognised by its
+    ``local_size`` argument and checked on sample indices; the bidirectional half-width is noted for the ``config``
+    passed, which the attention function checks its layers' windows against) without padding (``attention_mask`` None or all ones), so the attention function runs the kernel's own masking;
     otherwise returns the 2D boolean padding mask ``(batch, kv_length)``, with which
     ``flash_attn_hopper_attention_forward`` runs the batch through the variable-length kernel. Same
     as transformers' ``flash_attention_mask``, plus two checks, skipped while torch.compile traces (the first because
@@ -510,8 +569,10 @@ def flash_attn_hopper_mask(
     apply the same documents.
 
     Raises:
-        ValueError: the mask pattern is not plain causal, bidirectional or sliding-window causal (a chunked pattern,
-            a custom ``or/and_mask_function``); or, without an
+        ValueError: the mask pattern is not plain causal, bidirectional or sliding-window causal or bidirectional (a
+            chunked pattern, a custom ``or/and_mask_function``); a bidirectional sliding window whose queries are not
+            the last key positions (``q_offset + q_length != kv_offset + kv_length``: the kernel aligns windows
+            bottom-right); or, without an
             attention_mask, the key/value length is not ``q_offset + q_length - kv_offset`` (a StaticCache with empty
             slots, which would be attended).
         RuntimeError: an attention_mask under torch.jit.trace (its padding is read on the host, which a trace would
@@ -523,13 +584,26 @@ def flash_attn_hopper_mask(
         mask_function = _without_packed_overlay(mask_function)
         local_size = kwargs.get("local_size")
         sliding = local_size is not None and _is_sliding_causal(mask_function, local_size)
-        if mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function and not sliding:
+        sliding_bidirectional = (local_size is not None and not sliding
+                                 and _is_sliding_bidirectional(mask_function, local_size))
+        if (mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function
+                and not sliding and not sliding_bidirectional):
             raise ValueError(
-                "flash_attn_hopper attention supports plain causal, bidirectional and sliding-window causal masks "
-                f"only; this model call needs the mask pattern {getattr(mask_function, '__name__', mask_function)!r}: "
-                "a chunked pattern or a custom mask function (packed sequences and sliding windows are fine); use "
-                "attn_implementation='sdpa' for this model."
+                "flash_attn_hopper attention supports plain causal, bidirectional and sliding-window (causal or "
+                "bidirectional) masks only; this model call needs the mask pattern "
+                f"{getattr(mask_function, '__name__', mask_function)!r}: a chunked pattern or a custom mask function "
+                "(packed sequences and sliding windows are fine); use attn_implementation='sdpa' for this model."
             )
+        if sliding_bidirectional:
+            # The kernel aligns a window bottom-right: the queries must be the last positions of the keys.
+            if int(q_offset) + q_length != int(kv_offset) + kv_length:
+                raise ValueError(
+                    f"flash_attn_hopper attention: a bidirectional sliding window over {kv_length} key positions from "
+                    f"{int(kv_offset)} for {q_length} queries from {int(q_offset)}: the queries must be the last "
+                    "key positions. Use attn_implementation='sdpa' for it."
+                )
+            if kwargs.get("config") is not None:
+                _BIDIRECTIONAL_WINDOWS.put(kwargs["config"], local_size)
         if (mask_function is causal_mask_function or sliding) and attention_mask is None:
             filled = int(q_offset) + q_length - int(kv_offset)
             if kv_length != filled:

@@ -1,0 +1,187 @@
+"""Twelfth round of the bug hunt (tests/bug_report_sources.md, "Twelfth round"): CPU tests.
+
+CF: bidirectional (encoder) sliding-window attention through the transformers integration. ModernBERT's local layers
+(and other encoders built on transformers' ``create_bidirectional_sliding_window_mask``) ask the mask function for the
+pattern ``|i - j| <= H`` and pass ``sliding_window = H + 1`` to the attention function (transformers' flash-attention
+convention, a band of W - 1 keys per side). The integration's attention function computes such windows, but its mask
+function refused the pattern with a ValueError ("sliding windows are fine"), so these models did not run at all. Other
+backends lost the window silently (vllm-project/semantic-router#3406, sglang#33600, flashinfer#4893). A layer whose
+sliding_window does not match the mask it was built with (W - 1 != H: eager follows the mask) must raise, not run
+another window.
+
+The kernels are replaced by the float32 references of the same contract (flash_attn_hopper.testing), as in
+tests/test_transformers_cpu.py; the models are compared against transformers' eager attention in float32.
+"""
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from flash_attn_hopper import interface
+from flash_attn_hopper.testing import attention_ref, attention_varlen_ref
+
+try:
+    importlib.import_module("transformers")
+    HAVE_TRANSFORMERS = True
+except ImportError:
+    HAVE_TRANSFORMERS = False
+
+requires_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs the transformers package")
+
+NAME = "flash_attn_hopper"
+HALF_WIDTH = 4  # ModernBERT's config.sliding_window = local_attention // 2
+
+
+@pytest.fixture
+def fah_tf():
+    import flash_attn_hopper.integrations.transformers as module
+
+    module.register()
+    return module
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """The kernel entry points replaced by the differentiable float32 references; records each call's options."""
+    calls = []
+    monkeypatch.setattr(interface, "SUPPORTED_DTYPES", interface.SUPPORTED_DTYPES + (torch.float32,))
+
+    def ref_attention(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1),
+                      softcap=0.0, document_ids=None, deterministic=False):
+        calls.append(("dense", causal, tuple(window_size)))
+        out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                               softcap=softcap, document_ids=document_ids)
+        return out.to(q.dtype)
+
+    def ref_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, return_lse=False, deterministic=False):
+        calls.append(("varlen", causal, tuple(window_size)))
+        assert max(cu_q.diff().tolist(), default=0) <= max_q and max(cu_k.diff().tolist(), default=0) <= max_k
+        out, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=window_size, softcap=softcap)
+        return out.to(q.dtype)
+
+    monkeypatch.setattr(interface, "attention", ref_attention)
+    monkeypatch.setattr(interface, "attention_varlen", ref_attention_varlen)
+    return calls
+
+
+def _modernbert_config(**overrides):
+    from transformers import ModernBertConfig
+
+    # ids inside the tiny vocabulary (the defaults are ModernBERT's 50k-token ones)
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2, vocab_size=97,
+                  max_position_embeddings=128, local_attention=2 * HALF_WIDTH, global_attn_every_n_layers=3,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    kwargs.update(overrides)
+    return ModernBertConfig(**kwargs)
+
+
+def _modernbert(config, attn_implementation, seed=0):
+    from transformers import ModernBertModel
+
+    torch.manual_seed(seed)
+    model = ModernBertModel._from_config(copy.deepcopy(config), attn_implementation=attn_implementation,
+                                         dtype=torch.float32)
+    assert model.config._attn_implementation == attn_implementation
+    return model
+
+
+def _padding_mask(kind, batch, seqlen):
+    mask = torch.ones(batch, seqlen, dtype=torch.long)
+    if kind == "right":
+        mask[1, seqlen - 9:] = 0
+    elif kind == "left":
+        mask[0, :6] = 0
+    return None if kind == "none" else mask
+
+
+@requires_transformers
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_modernbert_local_layers_match_eager(fah_tf, reference_kernels, padding):
+    """A tiny ModernBERT (one global, two local layers, half-width 4) over 30 tokens: the outputs at kept positions and
+    every parameter gradient equal eager attention's; the local layers reach the kernel with window (4, 4), not
+    causal. Before the fix the mask function raised ValueError for the local layers' pattern."""
+    config = _modernbert_config()
+    ours = _modernbert(config, NAME)
+    eager = _modernbert(config, "eager", seed=1)
+    eager.load_state_dict(ours.state_dict())
+    torch.manual_seed(2)
+    ids = torch.randint(3, 97, (2, 30))
+    mask = _padding_mask(padding, 2, 30)
+    kept = torch.ones(2, 30, dtype=torch.bool) if mask is None else mask.bool()
+    results = []
+    for model in (ours, eager):
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden[kept].square().sum().backward()
+        results.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (out_a, grads_a), (out_b, grads_b) = results
+    torch.testing.assert_close(out_a[kept], out_b[kept], rtol=1e-4, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert {call[1:] for call in reference_kernels} == {(False, (-1, -1)), (False, (HALF_WIDTH, HALF_WIDTH))}
+    assert {call[0] for call in reference_kernels} == {"dense" if mask is None else "varlen"}
+    # the window matters here: the same weights with every layer global give other outputs
+    everywhere = _modernbert(_modernbert_config(global_attn_every_n_layers=1), "eager", seed=1)
+    everywhere.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        full = everywhere(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not torch.allclose(full[kept], out_b[kept], atol=1e-3)
+
+
+@requires_transformers
+def test_layer_window_unlike_its_mask_raises(fah_tf, reference_kernels):
+    """A layer that passes the mask's half-width H itself as sliding_window (as 5.17's MuseGlimmer assistant does):
+    the kernel would run H - 1 keys per side while eager's mask allows H, a silent difference; it raises, naming
+    sliding_window, before any kernel runs."""
+    model = _modernbert(_modernbert_config(), NAME)
+    for layer in model.layers:
+        if layer.attn.sliding_window is not None:
+            layer.attn.sliding_window = HALF_WIDTH
+    with pytest.raises(ValueError, match=f"sliding_window={HALF_WIDTH + 1}"):
+        model(input_ids=torch.randint(3, 97, (2, 30)))
+    assert not [call for call in reference_kernels if call[2] != (-1, -1)]
+
+
+@requires_transformers
+def test_mask_function_recognises_the_bidirectional_sliding_window(fah_tf):
+    """The mask function accepts transformers' bidirectional sliding-window pattern for its local_size (returns None
+    without padding, the padding mask with it), refuses it for another local_size, and refuses queries that are not
+    the last key positions (the kernel aligns windows bottom-right)."""
+    from transformers.masking_utils import sliding_window_bidirectional_mask_function
+
+    common = dict(batch_size=2, allow_is_bidirectional_skip=True, dtype=torch.float32)
+    pattern = sliding_window_bidirectional_mask_function(5)
+    assert fah_tf.flash_attn_hopper_mask(q_length=16, kv_length=16, mask_function=pattern, local_size=5,
+                                         **common) is None
+    padding = torch.ones(2, 16, dtype=torch.bool)
+    padding[1, 12:] = False
+    got = fah_tf.flash_attn_hopper_mask(q_length=16, kv_length=16, mask_function=pattern, local_size=5,
+                                        attention_mask=padding, **common)
+    assert torch.equal(got, padding)
+    for local_size in (4, 6):
+        with pytest.raises(ValueError, match="mask pattern"):
+            fah_tf.flash_attn_hopper_mask(q_length=16, kv_length=16, mask_function=pattern, local_size=local_size,
+                                          **common)
+    with pytest.raises(ValueError, match="last key positions"):
+        fah_tf.flash_attn_hopper_mask(q_length=4, kv_length=16, q_offset=0, kv_offset=0, mask_function=pattern,
+                                      local_size=5, **common)
+    # queries that are the last key positions (a cache before them) pass
+    assert fah_tf.flash_attn_hopper_mask(q_length=4, kv_length=16, q_offset=12, kv_offset=0, mask_function=pattern,
+                                         local_size=5, **common) is None
+
+
+@requires_transformers
+def test_bidirectional_pattern_recognised_under_a_fake_tensor_mode(fah_tf):
+    """As the causal pattern check (test_transformers_cpu): its index tensors are its own, not fake ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.masking_utils import sliding_window_bidirectional_mask_function
+
+    with FakeTensorMode():
+        assert fah_tf._is_sliding_bidirectional(sliding_window_bidirectional_mask_function(8), 8)
+        assert not fah_tf._is_sliding_bidirectional(sliding_window_bidirectional_mask_function(9), 8)
+        assert not fah_tf._is_sliding_bidirectional(sliding_window_bidirectional_mask_function(0), 1)
+    assert fah_tf._is_sliding_bidirectional(sliding_window_bidirectional_mask_function(0), 0)
