@@ -3,8 +3,9 @@
 #   PART=a: clean build on the device (every head dim and dtype; the CUTLASS wheel carried in .whl), SASS / HGMMA
 #           check, the GPU test files of group A (every file not in group B); the .so and its build log go to
 #           $OUT/verify_so.tar.xz so that part b can run on a fresh machine too (carry it as .prebuilt/pack).
-#   PART=a PREBUILT=NAME: no device build; .prebuilt/pack/name.tar.xz's build (made on the CPU machine with the
-#           device's torch) runs group A's files, then the forward A/B of F against it (AB=1, the default) and
+#   PART=a PREBUILT=NAME: no device build; .prebuilt/pack/name.tar.xz's build (PACK=file stem to override, e.g.
+#           PREBUILT=VERIFY PACK=verify_so: a carried device build; made on the CPU machine with the device's torch,
+#           or an earlier device build) runs group A's files, then the forward A/B of F against it (AB=1, the default) and
 #           the extras below (EXTRA=1).
 #   PART=b: the same .so (left in the tree, or unpacked from .prebuilt/pack/verify_so.tar.xz or PREBUILT's pack),
 #           group B's test files
@@ -29,7 +30,7 @@ extras() {  # the backward's pre/postprocess share; the forward's fp16 and bf16 
 if [[ ${PART:?PART=a or b} == a && -n ${PREBUILT:-} ]]; then
   # PREBUILT=NAME: the build made on the CPU machine with the device's torch, no device build; then, with AB=1, the
   # forward A/B of F against it (dense, every head dim, both masks, 1024/4096/16384, 2 rounds).
-  unpack $(echo $PREBUILT | tr A-Z a-z); if [[ ${AB:-1} == 1 ]]; then unpack f; fi
+  unpack ${PACK:-$(echo $PREBUILT | tr A-Z a-z)}; if [[ ${AB:-1} == 1 ]]; then unpack f; fi
   rm -f flash_attn_hopper/_C*.so; cp .prebuilt/$PREBUILT/_C.abi3.so flash_attn_hopper/_C.abi3.so
   FINAL=$OUT; export OUT=/tmp/gca; mkdir -p $OUT
   FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/$PREBUILT/build.log PYTEST_ARGS="--timeout 150 --timeout-method thread $(ign $B)" \
@@ -56,7 +57,7 @@ PY
   ls -la $OUT
 else
   if [[ ! -f flash_attn_hopper/_C.abi3.so ]]; then  # a fresh machine: the carried build (PREBUILT, else part a's)
-    name=${PREBUILT:-VERIFY}; unpack $([[ -n ${PREBUILT:-} ]] && echo $PREBUILT | tr A-Z a-z || echo verify_so)
+    name=${PREBUILT:-VERIFY}; unpack ${PACK:-$([[ -n ${PREBUILT:-} ]] && echo $PREBUILT | tr A-Z a-z || echo verify_so)}
     cp .prebuilt/$name/_C.abi3.so flash_attn_hopper/_C.abi3.so; mkdir -p .fah_build/gpu_check
     cp .prebuilt/$name/build.log .fah_build/gpu_check/build.log
     echo "unpacked the carried .so"
