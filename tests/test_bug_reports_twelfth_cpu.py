@@ -9,12 +9,17 @@ backends lost the window silently (vllm-project/semantic-router#3406, sglang#336
 sliding_window does not match the mask it was built with (W - 1 != H: eager follows the mask) must raise, not run
 another window.
 
+CW (the adversarial review): where no band mask was recognised for the module's config, its ``config.sliding_window``
+is the band eager uses; DiffusionGemma's decoder (a plain bidirectional mask, W = config.sliding_window) and T5Gemma's
+encoder (W = H) ran (W - 1, W - 1) silently before.
+
 The kernels are replaced by the float32 references of the same contract (flash_attn_hopper.testing), as in
 tests/test_transformers_cpu.py; the models are compared against transformers' eager attention in float32.
 """
 
 import copy
 import importlib
+import types
 
 import pytest
 import torch
@@ -141,7 +146,7 @@ def test_layer_window_unlike_its_mask_raises(fah_tf, reference_kernels):
     for layer in model.layers:
         if layer.attn.sliding_window is not None:
             layer.attn.sliding_window = HALF_WIDTH
-    with pytest.raises(ValueError, match=f"sliding_window={HALF_WIDTH + 1}"):
+    with pytest.raises(NotImplementedError, match=f"sliding_window={HALF_WIDTH + 1}"):
         model(input_ids=torch.randint(3, 97, (2, 30)))
     assert not [call for call in reference_kernels if call[2] != (-1, -1)]
 
@@ -162,10 +167,13 @@ def test_mask_function_recognises_the_bidirectional_sliding_window(fah_tf):
     got = fah_tf.flash_attn_hopper_mask(q_length=16, kv_length=16, mask_function=pattern, local_size=5,
                                         attention_mask=padding, **common)
     assert torch.equal(got, padding)
-    for local_size in (4, 6):
+    for local_size in (4, 7):
         with pytest.raises(ValueError, match="mask pattern"):
             fah_tf.flash_attn_hopper_mask(q_length=16, kv_length=16, mask_function=pattern, local_size=local_size,
                                           **common)
+    # local_size H + 1 is a sliding-window causal mask's window widened to the band |i - j| < H + 1 (Gemma 3's
+    # bidirectional overlay): the same band, recognised with its half-width H
+    assert fah_tf._bidirectional_half_width(pattern, 6) == 5 and fah_tf._bidirectional_half_width(pattern, 7) is None
     with pytest.raises(ValueError, match="last key positions"):
         fah_tf.flash_attn_hopper_mask(q_length=4, kv_length=16, q_offset=0, kv_offset=0, mask_function=pattern,
                                       local_size=5, **common)
@@ -185,3 +193,89 @@ def test_bidirectional_pattern_recognised_under_a_fake_tensor_mode(fah_tf):
         assert not fah_tf._is_sliding_bidirectional(sliding_window_bidirectional_mask_function(9), 8)
         assert not fah_tf._is_sliding_bidirectional(sliding_window_bidirectional_mask_function(0), 1)
     assert fah_tf._is_sliding_bidirectional(sliding_window_bidirectional_mask_function(0), 0)
+
+
+# CW (the adversarial review): a non-causal window against the config when no band mask was recognised
+
+
+def _qkv(seqlen=12):
+    return tuple(torch.randn(2, 2, seqlen, 32, dtype=torch.bfloat16) for _ in range(3))
+
+
+@requires_transformers
+@pytest.mark.parametrize("config_window", [4, None])
+def test_non_causal_window_that_disagrees_with_the_config_is_refused(fah_tf, monkeypatch, config_window):
+    """DiffusionGemma's decoder attention (transformers 5.17) is non-causal and passes sliding_window =
+    config.sliding_window to the attention function while its model builds a plain bidirectional mask (eager attends to
+    every key); T5Gemma's encoder passes the same W with the band |i - j| <= W. The kernel would run (W - 1, W - 1): not
+    eager's mask in either model. Before the fix the call reached the kernel with that window; now NotImplementedError
+    names both values. A config whose band is W - 1 (ModernBERT's +1 convention), or no config (a direct call), runs."""
+    calls = []
+    monkeypatch.setattr(interface, "attention", lambda q, k, v, **kw: calls.append(kw) or torch.zeros_like(q))
+    q, k, v = _qkv()
+    module = types.SimpleNamespace(is_causal=False, layer_idx=3,
+                                   config=types.SimpleNamespace(sliding_window=config_window))
+    if config_window is not None:
+        with pytest.raises(NotImplementedError, match=r"sliding_window=4 .* band \|i - j\| <= 3 .* \|i - j\| <= 4; the layer should pass sliding_window=5"):
+            fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, None, sliding_window=4)
+        assert not calls
+        module.config.sliding_window = 3
+    fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, None, sliding_window=4)
+    fah_tf.flash_attn_hopper_attention_forward(types.SimpleNamespace(is_causal=False), q, k, v, None, sliding_window=4)
+    assert [c["window_size"] for c in calls] == [(3, 3), (3, 3)]
+    # causal modules keep their window whatever the config says (Mistral: W = config.sliding_window, (W - 1, 0))
+    module.is_causal, module.config.sliding_window = True, 4
+    fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, None, sliding_window=4)
+    assert calls[-1]["window_size"] == (3, 0)
+
+
+# CF, Gemma 3 with use_bidirectional_attention (EmbeddingGemma): its full layers' mask is a causal mask or'ed with
+# True, its sliding layers' a sliding-window causal mask of window W or'ed with the band |i - j| < W (the config turns
+# a given sliding_window 9 into W = 9 // 2 + 1 = 5); the layers pass sliding_window = W, i.e. the band
+# |i - j| <= W - 1 of that mask.
+
+
+def _gemma3_bidirectional(attn_implementation, seed=0, layer_types=("sliding_attention", "full_attention")):
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    config = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32, vocab_size=97, max_position_embeddings=128,
+                              sliding_window=9, layer_types=list(layer_types),
+                              use_bidirectional_attention=True, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = Gemma3TextModel._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    assert model.config._attn_implementation == attn_implementation
+    return model
+
+
+@requires_transformers
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_gemma3_bidirectional_matches_eager(fah_tf, reference_kernels, padding):
+    """Gemma 3 with use_bidirectional_attention (EmbeddingGemma's attention) over 30 tokens: the outputs at kept
+    positions and every parameter gradient equal eager attention's; the sliding layer reaches the kernel with window
+    (4, 4) (W = 5: keys within 4 positions on either side), the full layer with none; the window matters (the same
+    weights with two full layers give other outputs). Before, the mask
+    function refused both layers' masks (overlays of the causal ones) as custom patterns."""
+    ours = _gemma3_bidirectional(NAME)
+    assert ours.config.sliding_window == 5
+    eager = _gemma3_bidirectional("eager", seed=1)
+    eager.load_state_dict(ours.state_dict())
+    torch.manual_seed(3)
+    ids = torch.randint(3, 97, (2, 30))
+    mask = _padding_mask(padding, 2, 30)
+    kept = torch.ones(2, 30, dtype=torch.bool) if mask is None else mask.bool()
+    results = []
+    for model in (ours, eager):
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden[kept].square().sum().backward()
+        results.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (out_a, grads_a), (out_b, grads_b) = results
+    torch.testing.assert_close(out_a[kept], out_b[kept], rtol=1e-4, atol=1e-5)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert {call[1:] for call in reference_kernels} == {(False, (-1, -1)), (False, (4, 4))}
+    everywhere = _gemma3_bidirectional("eager", seed=1, layer_types=("full_attention", "full_attention"))
+    everywhere.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        full = everywhere(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not torch.allclose(full[kept], out_b[kept], atol=1e-3)

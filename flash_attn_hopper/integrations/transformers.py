@@ -23,7 +23,7 @@ Usage::
 What it supports today: self-attention with nheads_k dividing nheads (MHA, GQA, MQA), causal or not, and
 encoder-decoder cross-attention (a padded encoder's mask describes the keys: BART and the like), sliding windows
 (``config.sliding_window``, e.g. Mistral, Gemma 2's local layers; bidirectional ones, e.g. ModernBERT's local
-layers), attention logit soft-capping (Gemma 2's
+layers, Gemma 3 with ``use_bidirectional_attention``: EmbeddingGemma), attention logit soft-capping (Gemma 2's
 ``attn_logit_softcapping``), any softmax scale, fp16/bf16 (or fp32 under ``torch.autocast``), head_dim a multiple
 of 8 up to 256 (value's may differ from query's and key's), padded batches (a 2D attention_mask: left or right
 padding, run through ``attention_varlen``; not under torch.compile's fullgraph, which cannot trace the mask's host
@@ -137,9 +137,9 @@ def flash_attn_hopper_attention_forward(
             transformers' flash-attention path; SDPA's ``is_causal`` is aligned top-left.
         sliding_window: transformers' window W (a query sees itself and the W - 1 keys before it): window_size
             (W - 1, 0), or (W - 1, W - 1) when not causal (transformers' flash-attention convention: ModernBERT
-            passes W = H + 1 for its mask ``|i - j| <= H``; a W - 1 other than the H of the bidirectional mask that
-            ``flash_attn_hopper_mask`` was asked for with the module's config raises ValueError, as eager follows the
-            mask). softcap: attention logit soft-capping (Gemma 2).
+            passes W = H + 1 for its mask ``|i - j| <= H``; a W - 1 other than the model's H raises
+            NotImplementedError, as eager follows the mask: H is the half-width ``flash_attn_hopper_mask`` recognised
+            for the module's config, else ``config.sliding_window``). softcap: attention logit soft-capping (Gemma 2).
         kwargs: ``cu_seq_lens_q/k`` and ``max_length_q/k`` (all four, as DataCollatorWithFlattening's
             ``return_flash_attn_kwargs=True`` gives them, batch 1): the packed sequences run through
             ``flash_attn_hopper.attention_varlen``. Otherwise, without an attention_mask and with as many keys as
@@ -163,14 +163,15 @@ def flash_attn_hopper_attention_forward(
 
     Raises:
         ValueError: ``attention_mask`` is not None and not the 2D boolean padding mask described above (or, causal,
-            with fewer keys than queries); no ``is_causal`` argument and no ``module.is_causal``; a non-causal
-            sliding_window whose W - 1 differs from the half-width of the model's bidirectional sliding-window mask;
+            with fewer keys than queries); no ``is_causal`` argument and no ``module.is_causal``;
             ``dropout`` is not 0; a partial set of ``cu_seq_lens_*`` / ``max_length_*``, or them with a batch of more
             than one row; and, from ``flash_attn_hopper.attention``, bad shapes,
             head_dim not a multiple of 8 in [8, 256], tensors not on an sm90 CUDA device.
         NotImplementedError: attention sinks (``s_aux``), a position bias, any other keyword argument not listed above
             with a value (``sinks``, ``indices``, ``block_indices``, ...); a sliding window in non-causal attention
-            with a padding mask and seqlen_q != seqlen_k (cross-attention).
+            with a padding mask and seqlen_q != seqlen_k (cross-attention); a non-causal sliding_window W whose
+            W - 1 is not the half-width of the model's own bidirectional mask (T5Gemma's encoder, DiffusionGemma's
+            decoder).
         TypeError: a dtype other than float16/bfloat16 outside autocast (for example a float32 model: load it with
             ``dtype=torch.bfloat16`` or run it under ``torch.autocast("cuda", dtype=torch.bfloat16)``).
         RuntimeError: the compiled extension is not available.
@@ -254,14 +255,8 @@ def flash_attn_hopper_attention_forward(
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"{_where(module)}: sliding_window must be an int >= 1, got {sliding_window!r}")
         window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
-        mask_half_width = None if causal else _BIDIRECTIONAL_WINDOWS.get(getattr(module, "config", None))
-        if mask_half_width is not None and mask_half_width != sliding_window - 1:
-            raise ValueError(
-                f"{_where(module)}: sliding_window={sliding_window} runs keys within {sliding_window - 1} positions on "
-                "either side (transformers' flash-attention convention), but the model's bidirectional sliding-window "
-                f"mask allows {mask_half_width} (|i - j| <= {mask_half_width}), which eager attention follows; the "
-                f"layer should pass sliding_window={mask_half_width + 1}. Use attn_implementation='sdpa' for this model."
-            )
+        if not causal:
+            _check_band(module, sliding_window)
     # deterministic as transformers' flash-attention path takes it: the keyword, else FLASH_ATTENTION_DETERMINISTIC=1.
     deterministic = kwargs.get("deterministic")
     if deterministic is None:
@@ -479,22 +474,53 @@ def _without_packed_overlay(mask_function):
     return pattern
 
 
+def _check_band(module, sliding_window):
+    """Non-causal attention with a sliding window W runs the band |i - j| <= W - 1 (transformers' flash-attention
+    convention, window (W - 1, W - 1); ModernBERT passes W = H + 1 for its mask |i - j| <= H). Eager follows the
+    model's mask instead: the half-width H that ``flash_attn_hopper_mask`` recognised for the module's config, else
+    the config's ``sliding_window`` (the band ``create_bidirectional_sliding_window_mask`` builds). Where that is not
+    W - 1 (T5Gemma's encoder passes W = H; DiffusionGemma's decoder passes W = config.sliding_window with a mask that
+    has no band at all) the two differ: refused rather than run with a mask other than eager's. A module without a
+    config (a direct call) is taken at its word."""
+    config = getattr(module, "config", None)
+    band = _BIDIRECTIONAL_WINDOWS.get(config) if config is not None else None
+    if band is None:
+        band = getattr(config, "sliding_window", None)
+        if isinstance(band, bool) or not isinstance(band, int):
+            return
+    if band != sliding_window - 1:
+        raise NotImplementedError(
+            f"{_where(module)}: sliding_window={sliding_window} in non-causal attention means the band |i - j| <= "
+            f"{sliding_window - 1} (transformers' flash-attention convention), but the model's own mask (eager, "
+            f"sdpa) is the band |i - j| <= {band}; the layer should pass sliding_window={band + 1}. Use "
+            "attn_implementation='sdpa' for this model."
+        )
+
+
+def _mask_values(mask_function, q, kv):
+    """mask_function(batch 0, head 0, q, kv) on plain host index tensors, or None where it cannot be evaluated on
+    them (not index-based). Its tensors are made outside any dispatch mode: under a FakeTensorMode (torch.export's
+    non-strict mode, shape tracing) they would be fake, and the comparisons' values data-dependent."""
+    with _python_dispatch._disable_current_modes():
+        q, kv = torch.as_tensor(q).view(-1, 1), torch.as_tensor(kv)
+        kv = kv.view(1, -1) if kv.dim() == 1 else kv
+        zero = torch.tensor(0)
+        try:
+            return torch.as_tensor(mask_function(zero, zero, q, kv)).expand(torch.broadcast_shapes(q.shape, kv.shape))
+        except Exception:
+            return None
+
+
 def _is_sliding_causal(mask_function, window):
     """Whether mask_function(batch, head, q, kv) is ``kv <= q and kv > q - window`` (transformers'
     ``sliding_window_causal_mask_function(window)``), checked at the window's edges for a few query positions."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         return False
-    # Plain host tensors of its own, outside any dispatch mode: under a FakeTensorMode (torch.export's non-strict
-    # mode, shape tracing) they would be fake, and the comparison's value data-dependent.
     with _python_dispatch._disable_current_modes():
         q = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3]).view(-1, 1)
         kv = (q + torch.tensor([-window - 1, -window, -window + 1, -1, 0, 1])).clamp(min=0)
-        zero = torch.tensor(0)
-        try:
-            got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(kv.shape)
-        except Exception:  # not index-based; cannot be recognised
-            return False
-        return bool(torch.equal(got, (kv <= q) & (kv > q - window)))
+        got = _mask_values(mask_function, q, kv)
+        return got is not None and bool(torch.equal(got, (kv <= q) & (kv > q - window)))
 
 
 def _is_sliding_bidirectional(mask_function, half_width):
@@ -503,16 +529,34 @@ def _is_sliding_bidirectional(mask_function, half_width):
     both sides of the band for a few query positions."""
     if isinstance(half_width, bool) or not isinstance(half_width, int) or half_width < 0:
         return False
-    with _python_dispatch._disable_current_modes():  # as _is_sliding_causal: plain host tensors
-        w = half_width
+    w = half_width
+    with _python_dispatch._disable_current_modes():
         q = torch.tensor([0, 1, w, w + 1, 2 * w + 3]).view(-1, 1)
         kv = (q + torch.tensor([-w - 1, -w, -w + 1, -1, 0, 1, w - 1, w, w + 1])).clamp(min=0)
-        zero = torch.tensor(0)
-        try:
-            got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(kv.shape)
-        except Exception:  # not index-based; cannot be recognised
-            return False
-        return bool(torch.equal(got, (kv - q).abs() <= w))
+        got = _mask_values(mask_function, q, kv)
+        return got is not None and bool(torch.equal(got, (kv - q).abs() <= w))
+
+
+def _bidirectional_half_width(mask_function, local_size):
+    """H when mask_function is the band ``|q - kv| <= H`` for H = local_size (transformers'
+    ``create_bidirectional_sliding_window_mask``: ModernBERT) or local_size - 1 (a sliding-window causal mask of
+    window local_size widened by a bidirectional overlay ``|q - kv| < local_size``: Gemma 3 with
+    ``use_bidirectional_attention``, EmbeddingGemma); else None."""
+    if isinstance(local_size, bool) or not isinstance(local_size, int):
+        return None
+    return next((h for h in (local_size, local_size - 1) if _is_sliding_bidirectional(mask_function, h)), None)
+
+
+def _is_everywhere(mask_function):
+    """Whether mask_function lets every query see every key (a bidirectional mask built as an overlay, e.g. a causal
+    mask or'ed with True: Gemma 3 with ``use_bidirectional_attention``), checked on near and far index pairs on both
+    sides of the diagonal."""
+    if mask_function is bidirectional_mask_function:
+        return True
+    with _python_dispatch._disable_current_modes():
+        idx = torch.tensor([0, 1, 2, 7, 63, 64, 65, 1000, 4097, 70001])
+        got = _mask_values(mask_function, idx, idx)
+        return got is not None and bool(got.all())
 
 
 class _ConfigNotes:
@@ -553,10 +597,11 @@ def flash_attn_hopper_mask(
 ):
     """transformers mask function (``AttentionMaskInterface`` signature) for ``flash_attn_hopper``.
 
-    Returns None when the attention is plain causal, plain bidirectional or with a sliding window (transformers'
-    ``sliding_window_causal_mask_function`` or ``sliding_window_bidirectional_mask_function``, recognised by its
-    ``local_size`` argument and checked on sample indices; the bidirectional half-width is noted for the ``config``
-    passed, which the attention function checks its layers' windows against) without padding (``attention_mask`` None or all ones), so the attention function runs the kernel's own masking;
+    Returns None when the attention is plain causal, plain bidirectional (also as an overlay that lets every query see
+    every key, checked on sample indices) or with a sliding window (transformers'
+    ``sliding_window_causal_mask_function`` or the band ``|i - j| <= H`` with H = ``local_size`` or ``local_size - 1``,
+    recognised by the ``local_size`` argument and checked on sample indices; the band's half-width is noted for the
+    ``config`` passed, which the attention function checks its layers' windows against) without padding (``attention_mask`` None or all ones), so the attention function runs the kernel's own masking;
     otherwise returns the 2D boolean padding mask ``(batch, kv_length)``, with which
     ``flash_attn_hopper_attention_forward`` runs the batch through the variable-length kernel. Same
     as transformers' ``flash_attention_mask``, plus two checks, skipped while torch.compile traces (the first because
@@ -584,10 +629,10 @@ def flash_attn_hopper_mask(
         mask_function = _without_packed_overlay(mask_function)
         local_size = kwargs.get("local_size")
         sliding = local_size is not None and _is_sliding_causal(mask_function, local_size)
-        sliding_bidirectional = (local_size is not None and not sliding
-                                 and _is_sliding_bidirectional(mask_function, local_size))
-        if (mask_function is not causal_mask_function and mask_function is not bidirectional_mask_function
-                and not sliding and not sliding_bidirectional):
+        half_width = None if sliding or local_size is None else _bidirectional_half_width(mask_function, local_size)
+        sliding_bidirectional = half_width is not None
+        if (mask_function is not causal_mask_function and not sliding and not sliding_bidirectional
+                and not _is_everywhere(mask_function)):
             raise ValueError(
                 "flash_attn_hopper attention supports plain causal, bidirectional and sliding-window (causal or "
                 "bidirectional) masks only; this model call needs the mask pattern "
@@ -603,7 +648,7 @@ def flash_attn_hopper_mask(
                     "key positions. Use attn_implementation='sdpa' for it."
                 )
             if kwargs.get("config") is not None:
-                _BIDIRECTIONAL_WINDOWS.put(kwargs["config"], local_size)
+                _BIDIRECTIONAL_WINDOWS.put(kwargs["config"], half_width)
         if (mask_function is causal_mask_function or sliding) and attention_mask is None:
             filled = int(q_offset) + q_length - int(kv_offset)
             if kv_length != filled:
