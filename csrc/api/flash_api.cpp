@@ -208,6 +208,11 @@ ScoreOptions check_score_options(double softmax_scale, bool causal, int64_t wind
   TORCH_CHECK(!causal || window_right <= 0, "causal=True fixes the window's right side at 0, got window_size (",
               window_left, ", ", window_right, ")");
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0, got ", softcap);
+  // The kernels also take softmax_scale itself as a float32 (dQ's and dK's scale; the scores' without a softcap),
+  // which must neither round to 0 or inf nor be flushed as subnormal (the build uses fast math).
+  float const scale32 = float(softmax_scale);
+  TORCH_CHECK(std::isnormal(scale32) && scale32 > 0.f && std::isnormal(float(double(scale32) * M_LOG2E)),
+              "softmax_scale must be a positive normal float32 value, also times log2(e), got ", softmax_scale);
   TORCH_CHECK(softcap == 0 || std::isnormal(float(softmax_scale / softcap)),
               "softmax_scale / softcap must be a normal float32 value");
   // The kernels take the exponent's scale (the softcap when there is one) times log2(e) as a float32 that must be
