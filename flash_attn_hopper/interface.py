@@ -552,31 +552,40 @@ class _ValueNotes:
     def __init__(self):
         self._entries = {}  # id(tensor) -> (weak reference, version, {stream handle or None: value})
 
-    def get(self, t, device=None):
+    def get(self, t, device=None, per_call=False):
         entry = self._entries.get(id(t))
-        if entry is not None and entry[0]() is t and entry[1] == t._version:
+        if entry is not None and entry[0]() is t and entry[1] == self._version(t, per_call):
             return entry[2].get(_stream_key(device), self.MISSING)
         return self.MISSING
 
-    def put(self, t, value, device=None):
-        if t.is_inference():
+    def put(self, t, value, device=None, per_call=False):
+        """per_call: t is a tensor object made for one call of the caller's (e.g. the view of a padding mask that a
+        model's forward hands to its layers), whose values do not change while it lives; kept without its version
+        counter, so also when t is an inference tensor."""
+        if t.is_inference() and not per_call:
             return
-        key = id(t)
+        key, version = id(t), self._version(t, per_call)
         entry = self._entries.get(key)
-        if entry is None or entry[0]() is not t or entry[1] != t._version:
+        if entry is None or entry[0]() is not t or entry[1] != version:
             ref = weakref.ref(t, lambda _, key=key: self._entries.pop(key, None))
-            entry = self._entries[key] = (ref, t._version, {})
+            entry = self._entries[key] = (ref, version, {})
         entry[2][_stream_key(device)] = value
 
-    def computed(self, t, compute, device=None):
+    @classmethod
+    def _version(cls, t, per_call):
+        if per_call:
+            return None
+        return cls.MISSING if t.is_inference() else t._version  # (an inference tensor has no version counter)
+
+    def computed(self, t, compute, device=None, per_call=False):
         """get, else compute() then put. compute runs outside inference_mode: a result kept from an evaluation under
         torch.inference_mode() may serve a training call with the same tensor, whose op saves it for backward
         (inference tensors cannot be saved)."""
-        value = self.get(t, device)
+        value = self.get(t, device, per_call)
         if value is self.MISSING:
             with torch.inference_mode(False):
                 value = compute()
-            self.put(t, value, device)
+            self.put(t, value, device, per_call)
         return value
 
 

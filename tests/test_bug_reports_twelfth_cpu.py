@@ -279,3 +279,41 @@ def test_gemma3_bidirectional_matches_eager(fah_tf, reference_kernels, padding):
     with torch.no_grad():
         full = everywhere(input_ids=ids, attention_mask=mask).last_hidden_state
     assert not torch.allclose(full[kept], out_b[kept], atol=1e-3)
+
+
+# CY (the adversarial review): a padding mask under torch.inference_mode() (pipelines, evaluation) was unpadded, with a
+# host read, by every layer of a forward, since an inference tensor has no version counter and is never kept.
+
+
+def _tiny_llama(attn_implementation, layers=3, seed=0):
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=97, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(seed)
+    return LlamaModel._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32).eval()
+
+
+@requires_transformers
+def test_padding_mask_unpadded_once_per_forward_under_inference_mode(fah_tf, reference_kernels, monkeypatch):
+    """Three layers, a padded batch, inside torch.inference_mode(): one unpadding (the one host read) per forward,
+    not one per layer; the outputs equal eager's; and a mask refilled in place between two forwards (the same
+    tensor, no version counter in inference mode) is read again, not served from the first forward."""
+    counted = []
+    unpadding_of = fah_tf._unpadding_of
+    monkeypatch.setattr(fah_tf, "_unpadding_of", lambda *a: counted.append(1) or unpadding_of(*a))
+    ours, eager = _tiny_llama(NAME), _tiny_llama("eager", seed=1)
+    eager.load_state_dict(ours.state_dict())
+    ids = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        mask = torch.ones(2, 20, dtype=torch.long)
+        mask[0, :5] = 0  # left padding
+        for step in range(2):
+            kept = mask.bool().clone()
+            got = ours(input_ids=ids, attention_mask=mask).last_hidden_state
+            want = eager(input_ids=ids, attention_mask=mask).last_hidden_state
+            torch.testing.assert_close(got[kept], want[kept], rtol=1e-4, atol=1e-5)
+            assert len(counted) == step + 1, f"forward {step}: {len(counted)} unpaddings in all, expected {step + 1}"
+            mask[0, :5] = 1  # refilled in place: no padding in row 0, more in row 1
+            mask[1, :7] = 0
+    assert {call[0] for call in reference_kernels} == {"varlen"}

@@ -345,7 +345,8 @@ def _unpadding(attention_mask, q_length, keys_only=False):
         raise RuntimeError(_TRACED_MASK_REFUSAL)
     # One entry per mask: BART's encoder mask serves the encoder (keys only, q_length = kv_length) and the
     # cross-attention (another q_length) in one forward.
-    notes = _UNPADDING.computed(attention_mask, dict, attention_mask.device)
+    notes = _UNPADDING.computed(attention_mask, dict, attention_mask.device,
+                                per_call=_PER_FORWARD_MASKS.get(attention_mask) is not None)
     key = (q_length, keys_only)
     if key not in notes:
         with torch.inference_mode(False):  # as _ValueNotes.computed: a training step's index_select saves the indices
@@ -559,8 +560,9 @@ def _is_everywhere(mask_function):
         return got is not None and bool(got.all())
 
 
-class _ConfigNotes:
-    """A value per model config object, kept while the config lives (keyed by identity: configs compare by value)."""
+class _IdentityNotes:
+    """A value per object (a model config, a mask view), kept while the object lives (keyed by identity: configs
+    compare by value, tensors elementwise)."""
 
     def __init__(self):
         self._entries = {}  # id(config) -> (weak reference, value)
@@ -582,7 +584,9 @@ class _ConfigNotes:
 # this mask function for. The attention function runs the layers' window from their sliding_window argument W as
 # (W - 1, W - 1), transformers' flash-attention convention (ModernBERT passes W = H + 1 for it); a layer whose W - 1
 # is not the mask's H would silently differ from eager, so it raises instead.
-_BIDIRECTIONAL_WINDOWS = _ConfigNotes()
+_BIDIRECTIONAL_WINDOWS = _IdentityNotes()
+# The padding-mask views flash_attn_hopper_mask returns, one per model forward (see _unpadding).
+_PER_FORWARD_MASKS = _IdentityNotes()
 
 
 def flash_attn_hopper_mask(
@@ -661,7 +665,7 @@ def flash_attn_hopper_mask(
         # transformers drops an all-ones mask by a host read, and a trace would keep that as "no padding" for every
         # replay (as it would keep the lengths of one with padding: _unpadding refuses those by the same message)
         raise RuntimeError(_TRACED_MASK_REFUSAL)
-    return flash_attention_mask(
+    mask = flash_attention_mask(
         batch_size=batch_size,
         q_length=q_length,
         kv_length=kv_length,
@@ -671,6 +675,11 @@ def flash_attn_hopper_mask(
         attention_mask=attention_mask,
         **kwargs,
     )
+    if mask is not None and mask is not attention_mask and not torch.compiler.is_compiling():
+        # A view made for this forward (its last kv_length columns): its unpadding can be kept for the forward's
+        # layers also under torch.inference_mode(), where the caller's mask has no version counter to tell a refill.
+        _PER_FORWARD_MASKS.put(mask, True)
+    return mask
 
 
 def _skip_flash_kernel_lookup():
