@@ -89,10 +89,19 @@ def _load():
         return False
     try:
         torch.ops.load_library(candidates[0])
-    except OSError as e:  # pragma: no cover - depends on the local build
+    except OSError as e:
+        # torch's OSError hides the loader's own message (an undefined symbol, a missing libcudart) in its cause
+        cause = e.__cause__ or e.__context__
+        reason = f"{e}: {cause}" if cause is not None and str(cause) not in str(e) else str(e)
+        hint = (
+            "an undefined symbol means it was built against another torch version than this one: rebuild it with "
+            "this torch (`pip install --no-build-isolation .`)"
+            if "undefined symbol" in reason
+            else "rebuild it with this torch (`pip install --no-build-isolation .`) if it was built against another one"
+        )
         _load_error = (
-            f"the flash_attn_hopper CUDA extension could not be loaded from {candidates[0]} "
-            f"(built against another torch? rebuild it): {e}"
+            f"the flash_attn_hopper CUDA extension could not be loaded from {candidates[0]} ({reason}). This process "
+            f"runs torch {torch.__version__} (CUDA {torch.version.cuda}); {hint}."
         )
         return False
     LIBRARY_PATH = candidates[0]

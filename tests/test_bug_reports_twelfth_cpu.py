@@ -19,11 +19,16 @@ tests/test_transformers_cpu.py; the models are compared against transformers' ea
 
 import copy
 import importlib
+import os
+import shutil
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
 
+import flash_attn_hopper
 from flash_attn_hopper import interface
 from flash_attn_hopper.testing import attention_ref, attention_varlen_ref
 
@@ -216,7 +221,8 @@ def test_non_causal_window_that_disagrees_with_the_config_is_refused(fah_tf, mon
     module = types.SimpleNamespace(is_causal=False, layer_idx=3,
                                    config=types.SimpleNamespace(sliding_window=config_window))
     if config_window is not None:
-        with pytest.raises(NotImplementedError, match=r"sliding_window=4 .* band \|i - j\| <= 3 .* \|i - j\| <= 4; the layer should pass sliding_window=5"):
+        refusal = r"sliding_window=4 .* band \|i - j\| <= 3 .* \|i - j\| <= 4; the layer should pass sliding_window=5"
+        with pytest.raises(NotImplementedError, match=refusal):
             fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, None, sliding_window=4)
         assert not calls
         module.config.sliding_window = 3
@@ -317,3 +323,39 @@ def test_padding_mask_unpadded_once_per_forward_under_inference_mode(fah_tf, ref
             mask[0, :5] = 1  # refilled in place: no padding in row 0, more in row 1
             mask[1, :7] = 0
     assert {call[0] for call in reference_kernels} == {"varlen"}
+
+
+# CZ: an extension built against another torch. torch.ops.load_library's OSError says only "Could not load this
+# library"; the loader's reason (an undefined symbol of libtorch: the most common install fault of compiled attention
+# libraries) was dropped from the message, which said "built against another torch?" without the versions to compare.
+
+
+_UNDEFINED_SYMBOL_LIBRARY = ("void fah_symbol_of_another_torch(void);\n"
+                             "void fah_probe(void) { fah_symbol_of_another_torch(); }\n")
+
+
+def test_extension_of_another_torch_is_named_with_the_loader_reason(tmp_path):
+    """A copy of the package whose _C.abi3.so needs a symbol this process lacks (as a build against another torch
+    does): importing it leaves EXTENSION_LOADED False, and the error names the undefined symbol, this torch's version
+    and the rebuild command."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler on PATH to build the stand-in library")
+    package = os.path.dirname(os.path.abspath(flash_attn_hopper.__file__))
+    shutil.copytree(package, tmp_path / "fah_other_torch", ignore=shutil.ignore_patterns("__pycache__", "_C*.so"))
+    source = tmp_path / "probe.c"
+    source.write_text(_UNDEFINED_SYMBOL_LIBRARY)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "fah_other_torch" / "_C.abi3.so"), str(source)],
+                   check=True, capture_output=True)
+    script = ("import fah_other_torch, torch\n"
+              "assert not fah_other_torch._ops.EXTENSION_LOADED\n"
+              "print(fah_other_torch._ops._load_error)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ,
+                                PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])),
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    message = r.stdout
+    for part in ("undefined symbol: fah_symbol_of_another_torch", f"torch {torch.__version__}",
+                 "pip install --no-build-isolation ."):
+        assert part in message, (part, message)
