@@ -287,6 +287,39 @@ def test_gemma3_bidirectional_matches_eager(fah_tf, reference_kernels, padding):
     assert not torch.allclose(full[kept], out_b[kept], atol=1e-3)
 
 
+@requires_transformers
+def test_mask_that_reads_tensors_is_refused_without_being_evaluated(fah_tf):
+    """CG's review: the probe for masks that are True everywhere (and the window probes) evaluated any mask function on
+    batch row 0 at sample indices up to 70001. A data-dependent overlay, PaliGemma's prefix / Gemma 3's image blocks
+    (transformers' blockwise_overlay over per-row block ids, or'ed with a causal mask), is True at every sample pair
+    when row 0 is one block, though row 1 has a causal suffix: it was taken as bidirectional (row 1's suffix would
+    attend ahead). And on a 300-token batch the probes indexed the block ids at positions past the sequence (refused
+    here only by the IndexError; on a CUDA device a device-side assert, which no exception handler undoes). Now a mask
+    that reads tensors is refused by the mask pattern ValueError without being evaluated."""
+    from transformers.masking_utils import (blockwise_overlay, causal_mask_function, or_masks,
+                                            sliding_window_causal_mask_function)
+
+    n = 70002
+    ids = torch.zeros(2, n, dtype=torch.long)
+    ids[1, n // 2:] = -1  # row 1: a prefix, then a causal suffix
+    with pytest.raises(ValueError, match="reads tensors"):
+        fah_tf.flash_attn_hopper_mask(batch_size=2, q_length=n, kv_length=n,
+                                      mask_function=or_masks(causal_mask_function, blockwise_overlay(ids)))
+    evaluated = []
+    short_ids = torch.zeros(2, 300, dtype=torch.long)
+    short_ids[:, 200:] = -1
+
+    def blocks(batch_idx, head_idx, q_idx, kv_idx):
+        evaluated.append((int(q_idx.max()), int(kv_idx.max())))
+        return blockwise_overlay(short_ids)(batch_idx, head_idx, q_idx, kv_idx)
+
+    for pattern, local_size in ((causal_mask_function, None), (sliding_window_causal_mask_function(64), 64)):
+        with pytest.raises(ValueError, match="mask pattern"):
+            fah_tf.flash_attn_hopper_mask(batch_size=2, q_length=300, kv_length=300,
+                                          mask_function=or_masks(pattern, blocks), local_size=local_size)
+    assert not evaluated, f"evaluated at (query, key) indices up to {evaluated} for 300 positions"
+
+
 # CY (the adversarial review): a padding mask under torch.inference_mode() (pipelines, evaluation) was unpadded, with a
 # host read, by every layer of a forward, since an inference tensor has no version counter and is never kept.
 

@@ -39,7 +39,9 @@ without an ``is_causal`` attribute called without an is_causal argument, and key
 Tested with transformers 5.17.0. This module imports transformers; ``import flash_attn_hopper`` does not.
 """
 
+import functools
 import os
+import types
 import weakref
 
 import torch
@@ -498,10 +500,49 @@ def _check_band(module, sliding_window):
         )
 
 
+def _reads_tensors(obj, depth=0, seen=None):
+    """Whether a mask function reads tensors besides its index arguments: a tensor in a closure cell, a default value,
+    a module global it names, a bound ``self`` or a partial's arguments, also of the functions it composes
+    (``and_masks`` / ``or_masks`` keep them in a closure tuple). Such a mask depends on data, per batch row (image or
+    token-type blocks: Gemma 3's and PaliGemma's ``blockwise_overlay``, a chunked mask's left padding), that sample
+    indices of batch row 0 cannot cover; and evaluating it at sample indices past the sequence would index those
+    tensors out of bounds (on a CUDA device a device-side assert, which no exception handler undoes)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth > 16 or id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        parts = list(obj)
+    elif isinstance(obj, dict):
+        parts = list(obj.values())
+    elif isinstance(obj, functools.partial):
+        parts = [obj.func, obj.args, obj.keywords]
+    elif isinstance(obj, types.MethodType):
+        parts = [obj.__func__, obj.__self__]
+    elif isinstance(obj, types.FunctionType):
+        parts = [obj.__defaults__ or (), obj.__kwdefaults__ or {}]
+        parts += [v for v in (obj.__globals__.get(n) for n in obj.__code__.co_names) if isinstance(v, torch.Tensor)]
+        for cell in obj.__closure__ or ():
+            try:
+                parts.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+    elif callable(obj) and hasattr(obj, "__dict__"):  # a callable object: its attributes
+        parts = list(vars(obj).values())
+    else:
+        return False
+    return any(_reads_tensors(part, depth + 1, seen) for part in parts)
+
+
 def _mask_values(mask_function, q, kv):
     """mask_function(batch 0, head 0, q, kv) on plain host index tensors, or None where it cannot be evaluated on
-    them (not index-based). Its tensors are made outside any dispatch mode: under a FakeTensorMode (torch.export's
-    non-strict mode, shape tracing) they would be fake, and the comparisons' values data-dependent."""
+    them (not index-based) or must not be (it reads tensors: ``_reads_tensors``). Its tensors are made outside any
+    dispatch mode: under a FakeTensorMode (torch.export's non-strict mode, shape tracing) they would be fake, and the
+    comparisons' values data-dependent."""
+    if _reads_tensors(mask_function):
+        return None
     with _python_dispatch._disable_current_modes():
         q, kv = torch.as_tensor(q).view(-1, 1), torch.as_tensor(kv)
         kv = kv.view(1, -1) if kv.dim() == 1 else kv
@@ -551,7 +592,8 @@ def _bidirectional_half_width(mask_function, local_size):
 def _is_everywhere(mask_function):
     """Whether mask_function lets every query see every key (a bidirectional mask built as an overlay, e.g. a causal
     mask or'ed with True: Gemma 3 with ``use_bidirectional_attention``), checked on near and far index pairs on both
-    sides of the diagonal."""
+    sides of the diagonal; never for a mask that reads tensors (``_reads_tensors``: data-dependent overlays such as
+    image blocks, which may be True everywhere in batch row 0 only)."""
     if mask_function is bidirectional_mask_function:
         return True
     with _python_dispatch._disable_current_modes():
@@ -619,9 +661,10 @@ def flash_attn_hopper_mask(
 
     Raises:
         ValueError: the mask pattern is not plain causal, bidirectional or sliding-window causal or bidirectional (a
-            chunked pattern, a custom ``or/and_mask_function``); a bidirectional sliding window whose queries are not
-            the last key positions (``q_offset + q_length != kv_offset + kv_length``: the kernel aligns windows
-            bottom-right); or, without an
+            chunked pattern, a custom ``or/and_mask_function``, a mask that reads tensors such as Gemma 3's or
+            PaliGemma's image / token-type blocks: refused without being evaluated); a bidirectional sliding window
+            whose queries are not the last key positions (``q_offset + q_length != kv_offset + kv_length``: the kernel
+            aligns windows bottom-right); or, without an
             attention_mask, the key/value length is not ``q_offset + q_length - kv_offset`` (a StaticCache with empty
             slots, which would be attended).
         RuntimeError: an attention_mask under torch.jit.trace (its padding is read on the host, which a trace would
@@ -640,8 +683,9 @@ def flash_attn_hopper_mask(
             raise ValueError(
                 "flash_attn_hopper attention supports plain causal, bidirectional and sliding-window (causal or "
                 "bidirectional) masks only; this model call needs the mask pattern "
-                f"{getattr(mask_function, '__name__', mask_function)!r}: a chunked pattern or a custom mask function "
-                "(packed sequences and sliding windows are fine); use attn_implementation='sdpa' for this model."
+                f"{getattr(mask_function, '__name__', mask_function)!r}: a chunked pattern or a custom mask function, "
+                "or one that reads tensors (image or token-type blocks) (packed sequences and sliding windows are "
+                "fine); use attn_implementation='sdpa' for this model."
             )
         if sliding_bidirectional:
             # The kernel aligns a window bottom-right: the queries must be the last positions of the keys.
