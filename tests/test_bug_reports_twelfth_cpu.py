@@ -221,7 +221,7 @@ def test_non_causal_window_that_disagrees_with_the_config_is_refused(fah_tf, mon
     module = types.SimpleNamespace(is_causal=False, layer_idx=3,
                                    config=types.SimpleNamespace(sliding_window=config_window))
     if config_window is not None:
-        refusal = r"sliding_window=4 .* band \|i - j\| <= 3 .* \|i - j\| <= 4; the layer should pass sliding_window=5"
+        refusal = r"sliding_window=4 .* band \|i - j\| <= 3 .* \|i - j\| <= 4 .*sliding_window=5"
         with pytest.raises(NotImplementedError, match=refusal):
             fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, None, sliding_window=4)
         assert not calls
@@ -318,6 +318,33 @@ def test_mask_that_reads_tensors_is_refused_without_being_evaluated(fah_tf):
             fah_tf.flash_attn_hopper_mask(batch_size=2, q_length=300, kv_length=300,
                                           mask_function=or_masks(pattern, blocks), local_size=local_size)
     assert not evaluated, f"evaluated at (query, key) indices up to {evaluated} for 300 positions"
+
+
+@requires_transformers
+def test_gemma3_bidirectional_under_torch_compile_says_why_it_is_refused(fah_tf, reference_kernels):
+    """The mask function recognises no pattern while torch.compile traces it, so a compiled Gemma 3 with
+    use_bidirectional_attention whose first forward is compiled finds no band for its config and takes
+    config.sliding_window = 5 as eager's band: refused (its layers pass W = 5, the band |i - j| <= 4), and the message
+    claimed "the model's own mask (eager, sdpa) is the band |i - j| <= 5", which is false (it is <= 4), with the advice
+    to pass sliding_window=6. Now the message says no mask was recognised, why, and what to do; after one forward
+    outside torch.compile the compiled model runs and equals eager."""
+    ours, eager = _gemma3_bidirectional(NAME), _gemma3_bidirectional("eager", seed=1)
+    eager.load_state_dict(ours.state_dict())
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(5))
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            with pytest.raises(NotImplementedError, match="no bidirectional sliding-window mask was recognised") as info:
+                torch.compile(ours, backend="eager")(input_ids=ids)
+            assert "torch.compile" in str(info.value) and "is the band |i - j| <= 5" not in str(info.value)
+            assert not [call for call in reference_kernels if call[2] != (-1, -1)]
+            ours(input_ids=ids)  # one forward outside torch.compile: its masks are recognised
+            torch._dynamo.reset()
+            got = torch.compile(ours, backend="eager")(input_ids=ids).last_hidden_state
+            want = eager(input_ids=ids).last_hidden_state
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 # CY (the adversarial review): a padding mask under torch.inference_mode() (pipelines, evaluation) was unpadded, with a

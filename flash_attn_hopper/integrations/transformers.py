@@ -484,18 +484,29 @@ def _check_band(module, sliding_window):
     the config's ``sliding_window`` (the band ``create_bidirectional_sliding_window_mask`` builds). Where that is not
     W - 1 (T5Gemma's encoder passes W = H; DiffusionGemma's decoder passes W = config.sliding_window with a mask that
     has no band at all) the two differ: refused rather than run with a mask other than eager's. A module without a
-    config (a direct call) is taken at its word."""
+    config (a direct call) is taken at its word. The mask function recognises no pattern while torch.compile traces
+    it: a model whose band is not config.sliding_window (Gemma 3 with use_bidirectional_attention) is then refused
+    until one forward outside torch.compile has let its mask be recognised, and the message says so."""
     config = getattr(module, "config", None)
     band = _BIDIRECTIONAL_WINDOWS.get(config) if config is not None else None
+    recognised = band is not None
     if band is None:
         band = getattr(config, "sliding_window", None)
         if isinstance(band, bool) or not isinstance(band, int):
             return
     if band != sliding_window - 1:
+        if recognised:
+            source = (f"the model's own mask (eager, sdpa) is the band |i - j| <= {band}; the layer should pass "
+                      f"sliding_window={band + 1}")
+        else:
+            source = ("no bidirectional sliding-window mask was recognised for this model's config (the mask function "
+                      "recognises none while torch.compile traces it: run one forward outside torch.compile first), "
+                      f"so its config.sliding_window is taken as the band of eager's mask: |i - j| <= {band} (a layer "
+                      f"of that band passes sliding_window={band + 1}; with a mask without a band eager attends to "
+                      "every key)")
         raise NotImplementedError(
             f"{_where(module)}: sliding_window={sliding_window} in non-causal attention means the band |i - j| <= "
-            f"{sliding_window - 1} (transformers' flash-attention convention), but the model's own mask (eager, "
-            f"sdpa) is the band |i - j| <= {band}; the layer should pass sliding_window={band + 1}. Use "
+            f"{sliding_window - 1} (transformers' flash-attention convention), but {source}. Use "
             "attn_implementation='sdpa' for this model."
         )
 
