@@ -560,8 +560,8 @@ class _ValueNotes:
 
     def put(self, t, value, device=None, per_call=False):
         """per_call: t is a tensor object made for one call of the caller's (e.g. the view of a padding mask that a
-        model's forward hands to its layers), whose values do not change while it lives; kept without its version
-        counter, so also when t is an inference tensor."""
+        model's forward hands to its layers), whose values do not change while it lives; kept also when t is an
+        inference tensor (which has no version counter); a t that has one is still checked by it."""
         if t.is_inference() and not per_call:
             return
         key, version = id(t), self._version(t, per_call)
@@ -573,9 +573,9 @@ class _ValueNotes:
 
     @classmethod
     def _version(cls, t, per_call):
-        if per_call:
-            return None
-        return cls.MISSING if t.is_inference() else t._version  # (an inference tensor has no version counter)
+        if t.is_inference():  # (no version counter)
+            return None if per_call else cls.MISSING
+        return t._version
 
     def computed(self, t, compute, device=None, per_call=False):
         """get, else compute() then put. compute runs outside inference_mode: a result kept from an evaluation under

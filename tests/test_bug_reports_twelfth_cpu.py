@@ -385,6 +385,27 @@ def test_padding_mask_unpadded_once_per_forward_under_inference_mode(fah_tf, ref
     assert {call[0] for call in reference_kernels} == {"varlen"}
 
 
+@requires_transformers
+def test_per_forward_mask_view_refilled_in_place_outside_inference_mode_is_read_again(fah_tf, reference_kernels):
+    """CY's review: the view that the mask function returns is kept per call (also without a version counter, in
+    inference mode), but the per-call entry dropped the version check for views that have one: the same view, its
+    mask refilled in place outside inference mode (a caller that keeps the mask mapping across forwards), was served
+    the first unpadding, as if nothing had changed. The version counter is still checked where there is one."""
+    base = torch.ones(2, 12, dtype=torch.bool)
+    base[0, :3] = False
+    view = fah_tf.flash_attn_hopper_mask(batch_size=2, q_length=12, kv_length=12, attention_mask=base)
+    assert view is not None and view is not base
+    q, k, v = (torch.randn(2, 2, 12, 32) for _ in range(3))
+    module = types.SimpleNamespace(is_causal=True)
+    with torch.no_grad():
+        fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, view)
+        base[0, :3] = True  # refilled in place: row 0 has no padding any more, row 1 some
+        base[1, :5] = False
+        got = fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, view)[0]
+        want = fah_tf.flash_attn_hopper_attention_forward(module, q, k, v, base.clone())[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # CZ: an extension built against another torch. torch.ops.load_library's OSError says only "Could not load this
 # library"; the loader's reason (an undefined symbol of libtorch: the most common install fault of compiled attention
 # libraries) was dropped from the message, which said "built against another torch?" without the versions to compare.
