@@ -108,6 +108,23 @@ def _padding_mask(kind, batch, seqlen):
     return None if kind == "none" else mask
 
 
+def _compare_with_eager(ours, eager, ids, mask):
+    """Both models' last hidden states at the kept positions, and every parameter gradient of a loss on them, must
+    agree; returns (kept, eager's hidden states)."""
+    kept = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    results = []
+    for model in (ours, eager):
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden[kept].square().sum().backward()
+        results.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (out_a, grads_a), (out_b, grads_b) = results
+    torch.testing.assert_close(out_a[kept], out_b[kept], rtol=1e-4, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    return kept, out_b
+
+
 @requires_transformers
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
 def test_modernbert_local_layers_match_eager(fah_tf, reference_kernels, padding):
@@ -121,17 +138,7 @@ def test_modernbert_local_layers_match_eager(fah_tf, reference_kernels, padding)
     torch.manual_seed(2)
     ids = torch.randint(3, 97, (2, 30))
     mask = _padding_mask(padding, 2, 30)
-    kept = torch.ones(2, 30, dtype=torch.bool) if mask is None else mask.bool()
-    results = []
-    for model in (ours, eager):
-        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        hidden[kept].square().sum().backward()
-        results.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (out_a, grads_a), (out_b, grads_b) = results
-    torch.testing.assert_close(out_a[kept], out_b[kept], rtol=1e-4, atol=1e-5)
-    assert grads_a.keys() == grads_b.keys()
-    for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    kept, out_b = _compare_with_eager(ours, eager, ids, mask)
     assert {call[1:] for call in reference_kernels} == {(False, (-1, -1)), (False, (HALF_WIDTH, HALF_WIDTH))}
     assert {call[0] for call in reference_kernels} == {"dense" if mask is None else "varlen"}
     # the window matters here: the same weights with every layer global give other outputs
@@ -269,16 +276,7 @@ def test_gemma3_bidirectional_matches_eager(fah_tf, reference_kernels, padding):
     torch.manual_seed(3)
     ids = torch.randint(3, 97, (2, 30))
     mask = _padding_mask(padding, 2, 30)
-    kept = torch.ones(2, 30, dtype=torch.bool) if mask is None else mask.bool()
-    results = []
-    for model in (ours, eager):
-        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        hidden[kept].square().sum().backward()
-        results.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (out_a, grads_a), (out_b, grads_b) = results
-    torch.testing.assert_close(out_a[kept], out_b[kept], rtol=1e-4, atol=1e-5)
-    for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    kept, out_b = _compare_with_eager(ours, eager, ids, mask)
     assert {call[1:] for call in reference_kernels} == {(False, (-1, -1)), (False, (4, 4))}
     everywhere = _gemma3_bidirectional("eager", seed=1, layer_types=("full_attention", "full_attention"))
     everywhere.load_state_dict(ours.state_dict())

@@ -23,9 +23,6 @@ as the yardstick). Skipped, with the reason, without an sm90 GPU and the built e
 when the build lacks a head_dim / dtype (``built_dtype``; DA runs the cases the build compiles)."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -35,22 +32,9 @@ from flash_attn_hopper import attention, attention_varlen
 from flash_attn_hopper.interface import kernel_head_dim
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_varlen_ref
 from gpu_helpers import built_dtype, cu_seqlens, poison_allocator, randn
+from test_bug_reports_ninth_gpu import _run_script  # a subprocess with a time limit: a hang fails the test
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-def _run_script(script, *args, timeout):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
-    try:
-        r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
-                           env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the script ran past {timeout} s (a hang)\n{(e.stdout or b'')[-2000:]}\n{(e.stderr or b'')[-4000:]}")
-    assert r.returncode == 0 and "done" in r.stdout, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r.stdout
 
 
 # ------------------------------------------------------ DA: persistent CTAs whose tiles mostly see no key block
