@@ -147,6 +147,110 @@ if EXTENSION_LOADED:
     _register_python_kernels()
 
 
+# ------------------------------------------------------------------------------------------ FLOP counting
+# torch.utils.flop_counter.FlopCounterMode counts an op only through a formula in its registry, and counted these ops
+# as 0 FLOPs without one (MFU tooling built on it left attention out). The formulas count as PyTorch's own for
+# scaled_dot_product_attention do: 2 FLOPs per multiply-add of the matmuls over the whole (seqlen_q x seqlen_k) score
+# matrix of every query head (masks, windows and documents not subtracted; the backward's five matmuls, the recomputed
+# Q Kᵀ included); varlen per sequence (sum of seqlen_q x seqlen_k over the sequences: read from cu_seqlens on the host
+# while counting, or max_seqlen_q x max_seqlen_k per sequence for tensors without values, as PyTorch does for its
+# varlen flash ops).
+
+def _dense_flops(q, k, v, backward):
+    batch, seqlen_q, nheads, head_dim = q.shape
+    per_score = 3 * head_dim + 2 * v.shape[-1] if backward else head_dim + v.shape[-1]
+    return 2 * batch * nheads * seqlen_q * k.shape[1] * per_score
+
+
+def _sequence_lengths(cu, max_len):
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if isinstance(cu, (FakeTensor, FunctionalTensor)) or cu.device.type == "meta" or type(cu) is not torch.Tensor:
+        return [max_len] * (cu.shape[0] - 1)
+    return cu.diff().tolist()
+
+
+def _varlen_flops(q, k, v, cu_q, cu_k, max_q, max_k, backward):
+    nheads, head_dim = q.shape[1], q.shape[2]
+    per_score = 3 * head_dim + 2 * v.shape[-1] if backward else head_dim + v.shape[-1]
+    scores = sum(a * b for a, b in zip(_sequence_lengths(cu_q, max_q), _sequence_lengths(cu_k, max_k)))
+    return 2 * nheads * scores * per_score
+
+
+def _fwd_flops(q, k, v, *args, out_val=None, **kwargs):
+    return _dense_flops(q, k, v, backward=False)
+
+
+def _bwd_flops(dout, q, k, v, *args, out_val=None, **kwargs):
+    return _dense_flops(q, k, v, backward=True)
+
+
+def _fwd_varlen_flops(q, k, v, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kwargs):
+    return _varlen_flops(q, k, v, cu_q, cu_k, max_q, max_k, backward=False)
+
+
+def _bwd_varlen_flops(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, *args, out_val=None, **kwargs):
+    return _varlen_flops(q, k, v, cu_q, cu_k, max_q, max_k, backward=True)
+
+
+_FLOP_FORMULAS = {"fwd": _fwd_flops, "bwd": _bwd_flops, "fwd_varlen": _fwd_varlen_flops,
+                  "bwd_varlen": _bwd_varlen_flops}
+
+
+def _register_flop_formulas(flop_counter):
+    """Adds the formulas to torch.utils.flop_counter's registry (replacing this module's earlier ones on a reload)."""
+    namespace = getattr(torch.ops, _NAMESPACE)
+    for name, formula in _FLOP_FORMULAS.items():
+        packet = getattr(namespace, name)
+        flop_counter.flop_registry.pop(packet, None)
+        flop_counter.register_flop_formula(packet, get_raw=True)(formula)
+
+
+class _RegisterWhenImported:
+    """A sys.meta_path entry that registers the formulas once torch.utils.flop_counter is imported (importing it here
+    would bring in triton on every import of the library: ~50 ms); FlopCounterMode copies the registry when made, and
+    its module must be imported before that."""
+
+    NAME = "torch.utils.flop_counter"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.NAME:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+
+        class _Loader:
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                _register_flop_formulas(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _install_flop_formulas():
+    import sys
+
+    module = sys.modules.get(_RegisterWhenImported.NAME)
+    if module is not None and hasattr(module, "register_flop_formula"):
+        _register_flop_formulas(module)
+        return
+    if not any(type(f).__name__ == _RegisterWhenImported.__name__ for f in sys.meta_path):  # once per process
+        sys.meta_path.insert(0, _RegisterWhenImported())
+
+
+if EXTENSION_LOADED:
+    _install_flop_formulas()
+
+
 def require_extension():
     """Raises RuntimeError with the reason when the compiled extension is unavailable."""
     if not EXTENSION_LOADED:
