@@ -8,6 +8,7 @@ import functools
 import glob
 import mmap
 import os
+import warnings
 
 import torch
 
@@ -222,7 +223,7 @@ class _RegisterWhenImported:
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader = spec.loader
+        loader, self_name = spec.loader, self.NAME
 
         class _Loader:
             def create_module(self, spec):
@@ -230,7 +231,13 @@ class _RegisterWhenImported:
 
             def exec_module(self, module):
                 loader.exec_module(module)
-                _register_flop_formulas(module)
+                try:
+                    _register_flop_formulas(module)
+                except Exception as e:  # never let the counting break the import of PyTorch's module
+                    warnings.warn(f"flash_attn_hopper: its FLOP formulas were not registered with {self_name}: {e}")
+
+            def __getattr__(self, attr):  # get_source, get_filename, is_package, ...: the path loader's own
+                return getattr(loader, attr)
 
         spec.loader = _Loader()
         return spec

@@ -127,3 +127,32 @@ def test_flop_formulas_registered_in_either_import_order(order):
                        timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     assert f"flops {2 * 2 * 4 * 100 * 120 * 128}" in r.stdout, r.stdout
+
+
+_FAILING_REGISTRATION_SCRIPT = r"""
+import warnings
+import flash_attn_hopper
+from flash_attn_hopper import _ops
+
+def broken(module):
+    raise RuntimeError("a registry of another shape")
+
+_ops._register_flop_formulas = broken
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch.utils.flop_counter
+assert hasattr(torch.utils.flop_counter, "FlopCounterMode")
+assert any("FLOP formulas were not registered" in str(w.message) for w in caught), [str(w.message) for w in caught]
+print("imported")
+"""
+
+
+def test_a_failing_registration_never_breaks_the_counter_import():
+    """The import hook registers the formulas after PyTorch's module has run; a registration that fails (a future
+    PyTorch with another registry) leaves torch.utils.flop_counter imported and warns, instead of failing its import."""
+    if not flash_attn_hopper.EXTENSION_LOADED:
+        pytest.skip("the extension is needed for the op schemas")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _FAILING_REGISTRATION_SCRIPT], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0 and "imported" in r.stdout, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
