@@ -628,7 +628,14 @@ def _cu_seqlens_summary(name, cu):
 def _read_cu_seqlens(name, cu):
     # The copy first, then its values: a writer on another stream cannot change what is checked after the check.
     checked = cu.clone()
-    values = checked.tolist()  # one small device-to-host copy
+    try:
+        values = checked.tolist()  # one small device-to-host copy
+    except (RuntimeError, NotImplementedError) as e:
+        if type(cu) is torch.Tensor:
+            raise
+        # a tensor subclass whose values cannot be read here (a DTensor: ".tolist() is not supported")
+        raise TypeError(f"{name} must be a plain torch.Tensor whose values can be read on the host, got "
+                        f"{type(cu).__name__} ({e})") from e
     if values[0] < 0:
         raise ValueError(f"{name} must start at an offset >= 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values[:-1], values[1:])]

@@ -156,3 +156,26 @@ def test_a_failing_registration_never_breaks_the_counter_import():
     r = subprocess.run([sys.executable, "-c", _FAILING_REGISTRATION_SCRIPT], capture_output=True, text=True,
                        timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0 and "imported" in r.stdout, f"rc {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+
+
+# DD: cu_seqlens as a tensor subclass whose values cannot be read on the host (a DTensor: ".tolist() is not supported
+# for tensor subclasses"): refused before any launch, but with torch's message, which names no argument.
+
+
+class _Unreadable(torch.Tensor):
+    """A tensor subclass whose host read fails as a DTensor's does (a plain subclass: clone keeps the type)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.tolist:
+            raise RuntimeError(".tolist() is not supported for tensor subclasses")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_unreadable_cu_seqlens_subclass_is_named(cpu_ops):
+    """A DTensor-like cu_seqlens_k: TypeError naming cu_seqlens_k and its type, not the subclass's bare RuntimeError."""
+    q, k, v = _randn(100, 4, 64), _randn(130, 2, 64), _randn(130, 2, 64)
+    cu_q = torch.tensor([0, 40, 40, 100], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, 70, 130], dtype=torch.int32).as_subclass(_Unreadable)
+    with pytest.raises(TypeError, match=r"cu_seqlens_k must be a plain torch.Tensor .* got _Unreadable"):
+        attention_varlen(q, k, v, cu_q, cu_k, 60, 70)
