@@ -666,10 +666,12 @@ def _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _bounded_offsets(cu, rows):
     """cu_seqlens as the kernels may take them without a host check: each entry clamped to [0, rows], then the running
-    maximum (valid values come back unchanged). Two device ops, which graphs and captures record (torch.jit.trace: a
-    third, as rows is a traced tensor there, which clamp's Scalar bounds do not take)."""
-    clamped = cu.clamp_min(0).clamp_max(rows) if torch.jit.is_tracing() else cu.clamp(0, rows)
-    return torch.cummax(clamped, dim=0).values
+    maximum (valid values come back unchanged). Two device ops, which graphs and captures record (torch.jit.trace:
+    more, as rows is a traced 0-d CPU tensor there, which clamp's Scalar bounds do not take and clamp_max's Tensor
+    bound takes only on cu's device and dtype)."""
+    if isinstance(rows, torch.Tensor):
+        return torch.cummax(cu.clamp_min(0).clamp_max(rows.to(device=cu.device, dtype=cu.dtype)), dim=0).values
+    return torch.cummax(cu.clamp(0, rows), dim=0).values
 
 
 def _check_max_seqlen(name, value):

@@ -192,7 +192,9 @@ def test_ops_reject_an_exponent_scale_float32_cannot_hold(scale, softcap, name):
     head_dim, dtype = _built_head_dim()
     q, k, v = _inputs(1, 64, 64, 2, head_dim, dtype)
     options = (False, -1, -1, softcap, False)
-    pattern = name + r" times log2\(e\) must be a positive normal float32 value"
+    # softmax_scale's own check (class CX) says "softmax_scale must be a positive normal float32 value, also times
+    # log2(e)"; the exponent-scale check "<name> times log2(e) must be a positive normal float32 value"
+    pattern = name + r"( times log2\(e\))? must be a positive normal float32 value(, also times log2\(e\))?"
     with pytest.raises(RuntimeError, match=pattern):
         torch.ops.flash_attn_hopper.fwd(q, k, v, scale, *options)
     out = torch.randn_like(q)
