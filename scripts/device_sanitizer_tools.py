@@ -22,7 +22,7 @@ from gpu_helpers import memcheck_script  # noqa: E402
 TOOLS = {
     "racecheck": ["--tool", "racecheck", "--racecheck-report", "all"],
     "synccheck": ["--tool", "synccheck"],
-    "initcheck": ["--tool", "initcheck", "--track-unused-memory", "no"],
+    "initcheck": ["--tool", "initcheck"],  # (--track-unused-memory takes no value here: "no" was read as the program)
 }
 
 
