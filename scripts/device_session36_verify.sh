@@ -14,7 +14,7 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 B="tests/test_bwd_gpu.py tests/test_features_gpu.py tests/test_head_dim_v_gpu.py tests/test_varlen_gpu.py
-   tests/test_deterministic_gpu.py tests/test_sections_gpu.py tests/test_bwd_gqa_group_gpu.py"
+   tests/test_deterministic_gpu.py tests/test_sections_gpu.py tests/test_bwd_gqa_group_gpu.py tests/test_sanitizer_gpu.py"
 ign() { for f in $*; do printf -- "--ignore=%s " "$f"; done; }
 unpack() {  # .prebuilt/pack/$1.tar.xz holding .prebuilt/NAME/{_C.abi3.so,build.log}: into the tree
   python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.prebuilt')" .prebuilt/pack/$1.tar.xz || exit 1

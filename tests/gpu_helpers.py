@@ -239,21 +239,38 @@ def in_canary_buffers(q, k, v, dout):
 
 def run_memcheck(script):
     """Runs `script` (Python source) under compute-sanitizer memcheck with the caching allocator off (every tensor its
-    own allocation, so an access past one is reported); asserts it finished with 0 errors. Skips without the tool.
-    The time limit stays under the GPU check's 150 s per-test guard."""
+    own allocation, so an access past one is reported); asserts it finished with 0 errors. Skips without the tool."""
+    run_sanitizer(script, "memcheck")
+
+
+# What each tool prints when it found nothing (racecheck counts hazards, the other tools errors).
+_SANITIZER_CLEAN = {
+    "memcheck": "ERROR SUMMARY: 0 errors",
+    "synccheck": "ERROR SUMMARY: 0 errors",
+    "racecheck": "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)",
+}
+
+
+def run_sanitizer(script, tool):
+    """Runs `script` (Python source) under compute-sanitizer's `tool` (memcheck, racecheck or synccheck) with the
+    caching allocator off; asserts the script finished and the tool reported nothing (racecheck with every hazard
+    level shown, warnings included). Skips without compute-sanitizer. The time limit stays under the GPU check's
+    150 s per-test guard."""
     import os
     import shutil
     import subprocess
     import sys
 
-    tool = shutil.which("compute-sanitizer") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
-                                                             "compute-sanitizer")
-    if not os.path.exists(tool):
+    exe = shutil.which("compute-sanitizer") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
+                                                            "compute-sanitizer")
+    if not os.path.exists(exe):
         pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH and not under CUDA_HOME)")
+    args = {"racecheck": ["--racecheck-report", "all"]}.get(tool, [])
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     r = subprocess.run(
-        [tool, "--tool", "memcheck", "--error-exitcode", "99", sys.executable, "-c", script],
+        [exe, "--tool", tool, *args, "--error-exitcode", "99", sys.executable, "-c", script],
         capture_output=True, text=True, timeout=140, env=env,
     )
-    assert r.returncode == 0 and "done" in r.stdout, f"rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
+    text = r.stdout + r.stderr
+    assert r.returncode == 0 and "done" in r.stdout, f"{tool}: rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert _SANITIZER_CLEAN[tool] in text, f"{tool}:\n{text[-4000:]}"
