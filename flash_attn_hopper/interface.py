@@ -536,26 +536,43 @@ def _document_bounds(document_ids, compiling):
 
 # ---------------------------------------------------------------------------------------------- variable length
 
-class _ValueNotes:
+class _IdentityNotes:
+    """A value per object (a tensor, a model config), kept while the object lives. Keyed by identity, not a
+    WeakKeyDictionary: that compares keys with ==, which tensors answer elementwise and configs by value."""
+
+    def __init__(self):
+        self._entries = {}  # id(obj) -> (weak reference, value)
+
+    def get(self, obj, default=None):
+        entry = self._entries.get(id(obj))
+        return entry[1] if entry is not None and entry[0]() is obj else default
+
+    def put(self, obj, value):
+        """Keeps value for obj; nothing is kept for an object that cannot be weakly referenced."""
+        key = id(obj)
+        try:
+            ref = weakref.ref(obj, lambda _, key=key: self._entries.pop(key, None))
+        except TypeError:
+            return
+        self._entries[key] = (ref, value)
+
+
+class _ValueNotes(_IdentityNotes):
     """Results computed from a tensor's values (a device read), kept while the tensor lives and its version counter is
     unchanged: the layers of one model step pass the same tensors, so their values are read once. Writes that bypass
     the version counter (through ``.data``, numpy or DLPack memory, in-place torch.distributed collectives, kernels
     outside PyTorch's operators) are not seen until torch.autograd.graph.increment_version, so what is kept must never
     let a launch index past its tensors (cu_seqlens: the kernels get the values read). Inference-mode tensors have no
-    version counter and are never kept. (Not a WeakKeyDictionary: it compares keys with ==, which tensors
-    answer elementwise.)
+    version counter and are never kept.
     A result that is itself a CUDA tensor is kept per stream (get and put with its ``device``): one made on another
     stream would be neither ordered before this stream's kernels nor kept alive by the caching allocator for them."""
 
     MISSING = object()
 
-    def __init__(self):
-        self._entries = {}  # id(tensor) -> (weak reference, version, {stream handle or None: value})
-
     def get(self, t, device=None, per_call=False):
-        entry = self._entries.get(id(t))
-        if entry is not None and entry[0]() is t and entry[1] == self._version(t, per_call):
-            return entry[2].get(_stream_key(device), self.MISSING)
+        entry = super().get(t)  # (version, {stream handle or None: value})
+        if entry is not None and entry[0] == self._version(t, per_call):
+            return entry[1].get(_stream_key(device), self.MISSING)
         return self.MISSING
 
     def put(self, t, value, device=None, per_call=False):
@@ -564,12 +581,12 @@ class _ValueNotes:
         inference tensor (which has no version counter); a t that has one is still checked by it."""
         if t.is_inference() and not per_call:
             return
-        key, version = id(t), self._version(t, per_call)
-        entry = self._entries.get(key)
-        if entry is None or entry[0]() is not t or entry[1] != version:
-            ref = weakref.ref(t, lambda _, key=key: self._entries.pop(key, None))
-            entry = self._entries[key] = (ref, version, {})
-        entry[2][_stream_key(device)] = value
+        version = self._version(t, per_call)
+        entry = super().get(t)
+        if entry is None or entry[0] != version:
+            entry = (version, {})
+            super().put(t, entry)
+        entry[1][_stream_key(device)] = value
 
     @classmethod
     def _version(cls, t, per_call):

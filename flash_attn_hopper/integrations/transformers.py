@@ -42,7 +42,6 @@ Tested with transformers 5.17.0. This module imports transformers; ``import flas
 import functools
 import os
 import types
-import weakref
 
 import torch
 from torch.utils import _python_dispatch
@@ -63,7 +62,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
     ) from _e
 
 from .. import interface as _interface
-from ..interface import _ValueNotes, _capturing
+from ..interface import _IdentityNotes, _ValueNotes, _capturing
 
 ATTN_IMPLEMENTATION = "flash_attn_hopper"
 """The ``attn_implementation`` name that ``register()`` registers."""
@@ -611,26 +610,6 @@ def _is_everywhere(mask_function):
         idx = torch.tensor([0, 1, 2, 7, 63, 64, 65, 1000, 4097, 70001])
         got = _mask_values(mask_function, idx, idx)
         return got is not None and bool(got.all())
-
-
-class _IdentityNotes:
-    """A value per object (a model config, a mask view), kept while the object lives (keyed by identity: configs
-    compare by value, tensors elementwise)."""
-
-    def __init__(self):
-        self._entries = {}  # id(config) -> (weak reference, value)
-
-    def get(self, config):
-        entry = self._entries.get(id(config))
-        return entry[1] if entry is not None and entry[0]() is config else None
-
-    def put(self, config, value):
-        try:
-            key = id(config)
-            ref = weakref.ref(config, lambda _, key=key: self._entries.pop(key, None))
-        except TypeError:  # not weakly referenceable: nothing kept
-            return
-        self._entries[key] = (ref, value)
 
 
 # Model configs -> the half-width H of the bidirectional sliding-window mask (|i - j| <= H) that transformers asked
