@@ -133,6 +133,7 @@ struct BwdTraitsBase {
     int seqlen_q_rounded;                      // workspace rows per (batch, head), or per head when varlen
     int const* cu_seqlens_q;                   // varlen: (batch + 1) row offsets; else null
     int const* cu_seqlens_k;
+    int total_q, total_k;                      // varlen: rows of q and k (SeqlenInfo clamps offsets to them)
     // Deterministic mode (else null): zeroed counters ordering the sums into each dQ tile, per (batch, head, m_block,
     // lane), and (GQA sums) into each dK/dV tile, per (batch, K/V head, n_block) (flash/common/semaphore.hpp).
     int* dq_semaphore;
@@ -409,8 +410,8 @@ CUTLASS_DEVICE void bwd_producer(typename Traits::Params const& params, typename
       }
       if constexpr (Traits::kSwapSdP) {
         // LSE_log2 and D of the tile's rows (workspace rows come in whole tiles, so every tile is whole).
-        int64_t const row0 = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                                     params.seqlen_q_rounded, info.batch_idx, bidh) +
+        int64_t const row0 = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q != nullptr, params.nheads,
+                                                                     params.seqlen_q_rounded, info, bidh) +
                              m_block * kBlockM;
         int const off = write_state.index() * kBlockM;
         SM90_BULK_COPY_G2S::copy(params.lse_log2_ptr + row0, full, ss.smem_lse.data() + off, Traits::kStatBytes);
@@ -448,8 +449,8 @@ CUTLASS_DEVICE int* dq_turn(typename Traits::Params const& params, SeqlenInfo co
   turn = (min(n_block_max, int(gridDim.x)) - 1 - n_block) >> lane_bits;
   // One counter per kBlockM rows of the dQ workspace and lane (in bounds wherever the workspace is, whatever
   // max_seqlen says).
-  int64_t const row = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                               params.seqlen_q_rounded, info.batch_idx, bidh);
+  int64_t const row = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q != nullptr, params.nheads,
+                                                               params.seqlen_q_rounded, info, bidh);
   return params.dq_semaphore + ((row / Traits::kBlockM + m_block) << lane_bits) + (n_block & lane_bits);
 }
 
@@ -619,8 +620,8 @@ CUTLASS_DEVICE void bwd_dq_writer(typename Traits::Params const& params, typenam
   int const num_tiles = params.heads_per_cta * (m_block_max - m_block_min);
   int tile_idx = 0;  // over the CTA's (head, m_block) tiles, the order the consumers take them in
   for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {
-    int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                                     params.seqlen_q_rounded, info.batch_idx, bidh);
+    int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q != nullptr, params.nheads,
+                                                                     params.seqlen_q_rounded, info, bidh);
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
       int* sem = nullptr;
       int turn = 0;
@@ -917,8 +918,8 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
     typename Traits::PipelineState prev_read_state;  // kDQPass1InQ: the Q stage still held for the writer
     typename Traits::PipelinedOState read_state_do;
     for (int bidh = bidh0; bidh < bidh0 + params.heads_per_cta; ++bidh) {  // the CTA's query heads
-      int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q, params.nheads,
-                                                                       params.seqlen_q_rounded, info.batch_idx, bidh);
+      int64_t const row_base = bwd_workspace_row<kBwdSeqlenQRounding>(params.cu_seqlens_q != nullptr, params.nheads,
+                                                                       params.seqlen_q_rounded, info, bidh);
       float const* lse_log2 = params.lse_log2_ptr + row_base;
       float const* dpsum = params.dpsum_ptr + row_base;
       for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
@@ -1082,7 +1083,8 @@ __global__ void __launch_bounds__(Traits::NumThreads, 1)
     bidb = pair / int(gridDim.y);
   }
   int const bidh = head_group * params.heads_per_cta;  // the CTA's first query head
-  SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k, bidb);
+  SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k, bidb,
+                        params.total_q, params.total_k);
   // Varlen: the grid covers the longest sequence's key blocks; a block past this sequence's keys has nothing to do.
   if (n_block * Traits::kBlockN >= info.seqlen_k) { return; }
 

@@ -177,6 +177,8 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
       p.seqlen_q_rounded,
       p.cu_seqlens_q,
       p.cu_seqlens_k,
+      p.total_q,
+      p.total_k,
       p.dq_semaphore,
       p.dkv_semaphore,
       p.softmax_scale,

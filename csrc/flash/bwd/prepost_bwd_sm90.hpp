@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
   int const lane = threadIdx.x % kLanes;
   int const row = blockIdx.x * preprocess_rows_per_block<kHeadDim>() + threadIdx.x / kLanes;
   int const bidh = blockIdx.y;
-  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
+  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z, p.total_q, p.total_k);
   constexpr int kRound = kBwdSeqlenQRounding;
   if (row >= (info.seqlen_q + kRound - 1) / kRound * kRound) { return; }
   float dot = 0.f;
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
   for (int offset = kLanes / 2; offset > 0; offset /= 2) { dot += __shfl_xor_sync(0xffffffff, dot, offset); }
   if (lane == 0) {
     int64_t const idx =
-        bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
+        bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q != nullptr, p.nheads, p.seqlen_q_rounded, info, bidh) +
         row;
     float lse_log2 = INFINITY;
     if (row < info.seqlen_q) {
@@ -100,13 +100,13 @@ __global__ void flash_bwd_postprocess_kernel(BwdParams const p) {
   constexpr int kVec = 8;
   int64_t const idx = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   int const bidh = blockIdx.y;
-  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
+  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z, p.total_q, p.total_k);
   if (idx >= int64_t(info.seqlen_q) * kHeadDim) { return; }
   int const row = idx / kHeadDim, col = idx % kHeadDim;
   if (col >= p.head_dim) { return; }  // padded columns: zeros in the workspace, no column of dQ
   float const* acc =
       p.dq_accum_ptr +
-      (bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
+      (bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q != nullptr, p.nheads, p.seqlen_q_rounded, info, bidh) +
        row) * kHeadDim +
       col;
   auto a = *reinterpret_cast<cutlass::Array<float, kVec> const*>(acc);
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(Traits::NumMmaThreads)
   constexpr int kPad = 8;  // elements: staggers rows across banks
   __shared__ __align__(16) Element tile[kBlockM][kHeadDim + kPad];
   int const m_block = blockIdx.x, bidh = blockIdx.y;
-  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z);
+  SeqlenInfo const info(p.cu_seqlens_q, p.cu_seqlens_k, p.seqlen_q, p.seqlen_k, blockIdx.z, p.total_q, p.total_k);
   if (m_block * kBlockM >= info.seqlen_q) { return; }  // varlen: past this sequence (the grid fits the longest)
   int const t = threadIdx.x, wg = t / cutlass::NumThreadsPerWarpGroup, wg_tidx = t % cutlass::NumThreadsPerWarpGroup;
 
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(Traits::NumMmaThreads)
   constexpr int kValues = decltype(cute::size(tdQcdQ))::value;
   float const* src =
       p.dq_accum_ptr +
-      (bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q, p.nheads, p.seqlen_q_rounded, info.batch_idx, bidh) +
+      (bwd_workspace_row<kBwdSeqlenQRounding>(p.cu_seqlens_q != nullptr, p.nheads, p.seqlen_q_rounded, info, bidh) +
        int64_t(m_block) * kBlockM) * kHeadDim +
       wg * Traits::kDQChunkFloats;
   CUTLASS_PRAGMA_UNROLL

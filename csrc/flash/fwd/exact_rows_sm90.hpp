@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
     int const i = int(w % f.seqlen_q);
     int const bidh = int(w / f.seqlen_q % f.nheads);
     int const batch_idx = int(w / f.seqlen_q / f.nheads);
-    SeqlenInfo const info(f.cu_seqlens_q, f.cu_seqlens_k, f.seqlen_q, f.seqlen_k, batch_idx);
+    SeqlenInfo const info(f.cu_seqlens_q, f.cu_seqlens_k, f.seqlen_q, f.seqlen_k, batch_idx, f.total_q, f.total_k);
     if (i >= info.seqlen_q) { continue; }
     float* lse = f.lse_ptr + info.bidb * lse_batch_stride + bidh * lse_head_stride + info.offset_q + i;
     if (fabsf(*lse) * float(M_LOG2E) < 0.5f * kExactRowsLimitLog2) { continue; }  // (NaN and +-inf go on)

@@ -207,6 +207,7 @@ struct FwdKernelTraits {
     int nheads, seqlen_q, seqlen_k;             // varlen: the maxima (bound the tiles and the window)
     int const* cu_seqlens_q;                    // varlen: (batch + 1) row offsets into q/o and k/v; else null
     int const* cu_seqlens_k;
+    int total_q, total_k;   // varlen: rows of q and k (SeqlenInfo clamps offsets to them)
     int qheads_per_kvhead;  // GQA/MQA group size (1 for MHA)
     // Scores enter the softmax as x * score_scale: x = S_raw, score_scale = softmax_scale; or, with a softcap c,
     // x = tanh(S_raw * softcap_pre) with softcap_pre = softmax_scale / c and score_scale = c.
@@ -248,7 +249,7 @@ struct FwdKernelTraits {
     }
     bidh = head_batch % params.nheads;
     SeqlenInfo const info(params.cu_seqlens_q, params.cu_seqlens_k, params.seqlen_q, params.seqlen_k,
-                          head_batch / params.nheads);
+                          head_batch / params.nheads, params.total_q, params.total_k);
     n_block_min = n_block_max = 0;
     if (m_block * kBlockM < info.seqlen_q) {
       make_window<kBlockM, kBlockN, kDocuments>(params, info).n_block_range(m_block, n_block_min, n_block_max);

@@ -133,6 +133,8 @@ cudaError_t run_fwd_sm90_cfg(FwdParams const& p, cudaStream_t stream) {
       p.seqlen_k,
       p.cu_seqlens_q,
       p.cu_seqlens_k,
+      p.total_q,
+      p.total_k,
       p.nheads / p.nheads_k,
       scales.score_scale,
       scales.score_scale_log2,
