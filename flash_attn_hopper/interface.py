@@ -87,10 +87,10 @@ def _check_tensor_args(q, k, v):
     if k.shape[3] != head_dim:
         raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {head_dim}")
     for what, value in (("batch", batch), ("nheads", nheads)):
-        if value > _MAX_GRID_YZ:
+        if _over(value, _MAX_GRID_YZ):
             raise ValueError(f"q has {what} {value}; at most {_MAX_GRID_YZ} is supported (CUDA grid limit)")
     for name, t in (("q", q), ("k", k)):
-        if t.shape[1] >= _MAX_SEQLEN:
+        if _over(t.shape[1], _MAX_SEQLEN - 1):
             raise ValueError(f"{name} has {t.shape[1]} rows (seqlen or total tokens); at most {_MAX_SEQLEN - 1} are supported")
     # v's head_dim (that of out) may differ from q's and k's (e.g. 192 / 128 in DeepSeek-style models).
     for name, d in (("q", head_dim), ("v", v.shape[3])):
@@ -124,6 +124,21 @@ def _check_fwd_tiles(batch, nheads, seqlen_q, names, launches=True):
         )
 
 
+def _over(size, limit):
+    """Whether a size is past a limit of the library (size > limit). Under torch.compile a size may be unbacked
+    (data-dependent: rows picked by a mask inside the compiled code, or marked with torch._dynamo.mark_unbacked), so
+    that the comparison has no answer at trace time (a Python `if` on it stopped the trace with "Could not guard on
+    data-dependent expression", naming nothing of the library): it then becomes a runtime assertion of the graph
+    (torch._check: a RuntimeError when the graph runs, before the op) and this returns False. Outside torch.compile,
+    and for comparisons the trace can decide, it returns the comparison."""
+    if torch.compiler.is_compiling() and not _guard_or_false(size > limit) and not _guard_or_false(size <= limit):
+        torch._check(size <= limit, lambda: (  # (torch.compile takes the message only from a local function)
+            "flash_attn_hopper: a size is past the library's limits (batch and nheads at most 65535, fewer than "
+            "2^30 - 256 rows in q and k)"))
+        return False
+    return size > limit
+
+
 def _guard_or_false(cond):
     """torch.fx.experimental.symbolic_shapes.guard_or_false, reached only under torch.compile (which has loaded that
     module; a plain import of the library does not, it brings in sympy): a condition on a value the trace does not
@@ -132,16 +147,17 @@ def _guard_or_false(cond):
 
 
 def _check_fwd_tiles_compiling(batch, nheads, seqlen_q, rows_k, max_seqlen_k, names):
-    """_check_fwd_tiles for attention_varlen under torch.compile, where a maximum may come from data (.item() in the
-    compiled code, see _check_max_seqlen) and a Python comparison on it would need its value at trace time. What the
-    trace can decide raises the ValueError as in eager; the rest becomes a runtime assertion of the graph (with the
-    tile count unknown too, a launch is assumed: a call past the limit with no keys is refused at run time)."""
+    """_check_fwd_tiles under torch.compile, where a maximum may come from data (.item() in the compiled code, see
+    _check_max_seqlen), or a size be unbacked (``attention``: rows picked by a mask, see _over), and a Python
+    comparison on it would need its value at trace time. What the trace can decide raises the ValueError as in eager;
+    the rest becomes a runtime assertion of the graph (with the tile count unknown too, a launch is assumed: a call
+    past the limit with no keys is refused at run time)."""
     if _guard_or_false(rows_k == 0) or _guard_or_false(max_seqlen_k == 0):
         return  # no launch
     tiles = -(-seqlen_q // _FWD_TILE_ROWS) * nheads * batch
     message = lambda: (  # noqa: E731 (torch.compile takes the message of torch._check only from a local function)
-        "attention_varlen: more than 2^31 - 1025 forward tiles (sequences x nheads x query row blocks; int32 tile "
-        "numbers): split the call")
+        "flash_attn_hopper: more than 2^31 - 1025 forward tiles (batch or sequences x nheads x query row blocks; "
+        "int32 tile numbers): split the call")
     if _guard_or_false(tiles > _MAX_FWD_TILES):
         if _guard_or_false(rows_k > 0) and _guard_or_false(max_seqlen_k > 0):
             _check_fwd_tiles(batch, nheads, seqlen_q, names)  # raises
@@ -425,7 +441,11 @@ def _check_call(q, k, v, softmax_scale, causal, window_size, softcap, determinis
     """Every check of ``attention``'s arguments; returns the op's scalar arguments (softmax_scale, causal, window_left,
     window_right, softcap, deterministic)."""
     _check_tensor_args(q, k, v)
-    _check_fwd_tiles(q.shape[0], q.shape[2], q.shape[1], ("batch", "nheads", "seqlen_q"), launches=k.shape[1] > 0)
+    if torch.compiler.is_compiling():  # (sizes may be unbacked: no Python comparison on them)
+        _check_fwd_tiles_compiling(q.shape[0], q.shape[2], q.shape[1], k.shape[1], k.shape[1],
+                                   ("batch", "nheads", "seqlen_q"))
+    else:
+        _check_fwd_tiles(q.shape[0], q.shape[2], q.shape[1], ("batch", "nheads", "seqlen_q"), launches=k.shape[1] > 0)
     softmax_scale = _check_scale(softmax_scale, q.shape[-1])
     causal = _check_causal(causal)
     window_left, window_right = _check_window(window_size, causal)
