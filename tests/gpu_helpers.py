@@ -251,11 +251,11 @@ _SANITIZER_CLEAN = {
 }
 
 
-def run_sanitizer(script, tool):
+def run_sanitizer(script, tool, env=None):
     """Runs `script` (Python source) under compute-sanitizer's `tool` (memcheck, racecheck or synccheck) with the
-    caching allocator off; asserts the script finished and the tool reported nothing (racecheck with every hazard
-    level shown, warnings included). Skips without compute-sanitizer. The time limit stays under the GPU check's
-    150 s per-test guard."""
+    caching allocator off and `env` (a dict) added to the environment; asserts the script finished and the tool
+    reported nothing (racecheck: no hazard, errors and warnings counted). Skips without compute-sanitizer. The time
+    limit stays under the GPU check's 150 s per-test guard."""
     import os
     import shutil
     import subprocess
@@ -266,7 +266,7 @@ def run_sanitizer(script, tool):
     if not os.path.exists(exe):
         pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH and not under CUDA_HOME)")
     args = {"racecheck": ["--racecheck-report", "all"]}.get(tool, [])
-    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", **(env or {}))
     r = subprocess.run(
         [exe, "--tool", tool, *args, "--error-exitcode", "99", sys.executable, "-c", script],
         capture_output=True, text=True, timeout=140, env=env,
