@@ -119,7 +119,7 @@ def test_compiled_graph_refuses_a_data_dependent_batch_past_the_limit(cpu_ops):
             keep[torch.randperm(70000)[:kept]] = True
             CALLS.clear()
             if kept > 65535:
-                with pytest.raises(RuntimeError, match=r"<= 65535|past the library.s limits"):  # 2.11: the expression
+                with pytest.raises(RuntimeError, match=r"<= 65535|past the library's limits"):  # 2.11: the expression
                     compiled(x, keep)
                 assert CALLS == [], "an op ran past the batch limit"
             else:
