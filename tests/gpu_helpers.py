@@ -251,11 +251,11 @@ _SANITIZER_CLEAN = {
 }
 
 
-def run_sanitizer(script, tool, env=None):
+def run_sanitizer(script, tool, env=None, timeout=140):
     """Runs `script` (Python source) under compute-sanitizer's `tool` (memcheck, racecheck or synccheck) with the
     caching allocator off and `env` (a dict) added to the environment; asserts the script finished and the tool
     reported nothing (racecheck: no hazard, errors and warnings counted). Skips without compute-sanitizer. The time
-    limit stays under the GPU check's 150 s per-test guard."""
+    limit (seconds; a hang raises subprocess.TimeoutExpired) stays under the GPU check's 150 s per-test guard."""
     import os
     import shutil
     import subprocess
@@ -269,7 +269,7 @@ def run_sanitizer(script, tool, env=None):
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", **(env or {}))
     r = subprocess.run(
         [exe, "--tool", tool, *args, "--error-exitcode", "99", sys.executable, "-c", script],
-        capture_output=True, text=True, timeout=140, env=env,
+        capture_output=True, text=True, timeout=timeout, env=env,
     )
     text = r.stdout + r.stderr
     assert r.returncode == 0 and "done" in r.stdout, f"{tool}: rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"

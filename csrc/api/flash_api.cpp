@@ -656,7 +656,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_varlen(
   fill_uncovered(dq, 0u, 1, total_q, q_in.size(1) * q_in.size(2), varlen.cu_seqlens_q, varlen.batch, stream);
   fill_uncovered(dk, 0u, 1, total_k, k_in.size(1) * k_in.size(2), varlen.cu_seqlens_k, varlen.batch, stream);
   fill_uncovered(dv, 0u, 1, total_k, v_in.size(1) * v_in.size(2), varlen.cu_seqlens_k, varlen.batch, stream);
-  launch_bwd(run, dout, q, k, v, out, lse, dlse, dq, dk, dv, varlen, softmax_scale, opts, deterministic);
+  // Deterministic mode finds each sequence's dQ turn counters from its workspace rows (bwd_workspace_row), so offsets
+  // that go back (a direct op caller's: the Python functions check or enforce the order) would give two sequences
+  // the same counters, and a turn that never comes is a hang. The kernels get the running maximum of the offsets:
+  // valid offsets unchanged, bad ones a wrong result instead of a hang.
+  Varlen ordered = varlen;
+  at::Tensor monotone;
+  if (deterministic) {
+    int const n = varlen.batch + 1;
+    monotone = at::empty({2 * int64_t(n)}, cu_seqlens_q.options());
+    int* const ordered_q = monotone.data_ptr<int>();
+    int* const ordered_k = ordered_q + n;
+    cudaError_t err = flash::monotone_offsets(varlen.cu_seqlens_q, ordered_q, n, int(total_q), stream);
+    if (err == cudaSuccess) { err = flash::monotone_offsets(varlen.cu_seqlens_k, ordered_k, n, int(total_k), stream); }
+    TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper: ordering cu_seqlens failed: ", cudaGetErrorString(err));
+    ordered.cu_seqlens_q = ordered_q, ordered.cu_seqlens_k = ordered_k;
+  }
+  launch_bwd(run, dout, q, k, v, out, lse, dlse, dq, dk, dv, ordered, softmax_scale, opts, deterministic);
   return {dq, dk, dv};
 }
 

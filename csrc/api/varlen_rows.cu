@@ -25,9 +25,48 @@ __global__ void fill_uncovered_rows_kernel(Word* __restrict__ tensor, Word value
   }
 }
 
+// One block: a running maximum in chunks of blockDim.x entries (a max-scan per warp, then over the warps' totals).
+__global__ void monotone_offsets_kernel(int const* __restrict__ in, int* __restrict__ out, int n, int total) {
+  __shared__ int warp_max[32];
+  __shared__ int carry;  // the maximum of the chunks before
+  int const lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (threadIdx.x == 0) { carry = 0; }
+  __syncthreads();
+  for (int base = 0; base < n; base += blockDim.x) {
+    int const i = base + threadIdx.x;
+    int v = i < n ? min(max(in[i], 0), total) : 0;  // (0 is the identity: every value is >= 0)
+    for (int o = 1; o < 32; o *= 2) {
+      int const t = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) { v = max(v, t); }
+    }
+    if (lane == 31) { warp_max[warp] = v; }
+    __syncthreads();
+    if (warp == 0) {
+      int w = lane < warps ? warp_max[lane] : 0;
+      for (int o = 1; o < 32; o *= 2) {
+        int const t = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) { w = max(w, t); }
+      }
+      if (lane < warps) { warp_max[lane] = w; }
+    }
+    __syncthreads();
+    v = max(max(v, warp > 0 ? warp_max[warp - 1] : 0), carry);
+    if (i < n) { out[i] = v; }
+    __syncthreads();  // every thread has read carry
+    if (threadIdx.x == blockDim.x - 1) { carry = v; }
+    __syncthreads();
+  }
+}
+
 }  // namespace
 
 namespace flash {
+
+cudaError_t monotone_offsets(int const* cu_seqlens, int* out, int n, int total, cudaStream_t stream) {
+  if (n <= 0) { return cudaSuccess; }
+  monotone_offsets_kernel<<<1, 1024, 0, stream>>>(cu_seqlens, out, n, total);
+  return cudaGetLastError();
+}
 
 cudaError_t fill_uncovered_rows(void* tensor, int word_bytes, uint32_t value_bits, int64_t outer, int64_t rows,
                                 int64_t inner, int const* cu_seqlens, int batch, cudaStream_t stream) {

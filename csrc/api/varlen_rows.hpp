@@ -12,4 +12,8 @@ namespace flash {
 cudaError_t fill_uncovered_rows(void* tensor, int word_bytes, uint32_t value_bits, int64_t outer, int64_t rows,
                                 int64_t inner, int const* cu_seqlens, int batch, cudaStream_t stream);
 
+// out[i] = the largest of cu_seqlens[0..i], each clamped to [0, total] (n entries, int32, on the device): offsets that
+// are already non-negative, non-decreasing and within total come back unchanged.
+cudaError_t monotone_offsets(int const* cu_seqlens, int* out, int n, int total, cudaStream_t stream);
+
 }  // namespace flash
