@@ -62,7 +62,10 @@ ops = torch.ops.flash_attn_hopper
 for head_dim in {head_dims!r}:
     q, k, v = (torch.randn(1000, 4, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
-    for offsets in ([0, 1000, 0, 1000], [13, 511, -36, 45], [0, 600, 300, 1000], [700, 200, 900, 100, 1000]):
+    # the last list goes back past the scan's first 1024-entry chunk: a carry lost between chunks would restart the
+    # running maximum at 0 there and put two 1000-row sequences on the same workspace rows (a hang)
+    for offsets in ([0, 1000, 0, 1000], [13, 511, -36, 45], [0, 600, 300, 1000], [700, 200, 900, 100, 1000],
+                    [0] * 1023 + [1000, 0, 1000]):
         cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
         for deterministic in (True, False):
             args = (cu, cu, 1000, 1000, head_dim ** -0.5, False, -1, -1, 0.0, deterministic)
@@ -79,7 +82,9 @@ def test_op_offsets_that_go_back_neither_hang_nor_leave_the_tensors():
     sequence's dQ turn counters from its workspace rows, so two sequences over the same rows shared counters and a
     turn never came: a hang. The kernels clamp offsets to the tensors (SeqlenInfo) and the deterministic backward
     takes their running maximum. Here every call must finish (memcheck's time limit) without an access past a tensor
-    or workspace (memcheck, caching allocator off); the values are garbage in, garbage out."""
+    or workspace (memcheck, caching allocator off); the values are garbage in, garbage out. The last offset list
+    steps back after the scan's first chunk of 1024 entries (the 1500-sequence test below passes ordered offsets, which
+    the scan returns unchanged with or without its carry)."""
     head_dims = [d for d in (64, 128, 256) if d in flash_attn_hopper.build_config()["head_dims"]]
     if not head_dims or torch.bfloat16 not in flash_attn_hopper.build_config()["dtypes"]:
         pytest.skip("no bf16 head_dim 64/128/256 kernels in this build (FAH_HDIMS/FAH_DTYPES)")
@@ -92,7 +97,8 @@ def test_op_offsets_that_go_back_neither_hang_nor_leave_the_tensors():
 def test_deterministic_varlen_over_more_sequences_than_one_ordering_chunk(head_dim):
     """DF's running maximum works in chunks of 1024 offsets: 1500 sequences (lengths 0-3 on either side, empty ones
     included) through attention_varlen with deterministic=True are right by the rule, and two backward passes are
-    bitwise equal; a chunk's carry lost or an offset moved would put sequences past the first 1024 on wrong rows."""
+    bitwise equal: an offset moved by the scan past its first chunk would put sequences on wrong rows. (Ordered
+    offsets come back unchanged with or without the carry between chunks; the memcheck test above covers the carry.)"""
     from gpu_helpers import check_attention_varlen, cu_seqlens, randn, require_built
 
     dtype = torch.bfloat16
