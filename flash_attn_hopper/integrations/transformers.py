@@ -550,15 +550,18 @@ def _mask_values(mask_function, q, kv):
     """mask_function(batch 0, head 0, q, kv) on plain host index tensors, or None where it cannot be evaluated on
     them (not index-based) or must not be (it reads tensors: ``_reads_tensors``). Its tensors are made outside any
     dispatch mode: under a FakeTensorMode (torch.export's non-strict mode, shape tracing) they would be fake, and the
-    comparisons' values data-dependent."""
+    comparisons' values data-dependent. They (and the sample indices of the pattern checks) name the CPU: made on the
+    default device, ``torch.set_default_device("cuda")`` ran each check on the GPU with a host synchronisation (an
+    error inside a CUDA graph capture), and a meta default device made it raise."""
     if _reads_tensors(mask_function):
         return None
     with _python_dispatch._disable_current_modes():
-        q, kv = torch.as_tensor(q).view(-1, 1), torch.as_tensor(kv)
+        q, kv = torch.as_tensor(q, device="cpu").view(-1, 1), torch.as_tensor(kv, device="cpu")
         kv = kv.view(1, -1) if kv.dim() == 1 else kv
-        zero = torch.tensor(0)
+        zero = torch.tensor(0, device="cpu")
         try:
-            return torch.as_tensor(mask_function(zero, zero, q, kv)).expand(torch.broadcast_shapes(q.shape, kv.shape))
+            got = torch.as_tensor(mask_function(zero, zero, q, kv), device="cpu")
+            return got.expand(torch.broadcast_shapes(q.shape, kv.shape))
         except Exception:
             return None
 
@@ -569,8 +572,8 @@ def _is_sliding_causal(mask_function, window):
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         return False
     with _python_dispatch._disable_current_modes():
-        q = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3]).view(-1, 1)
-        kv = (q + torch.tensor([-window - 1, -window, -window + 1, -1, 0, 1])).clamp(min=0)
+        q = torch.tensor([0, 1, window - 1, window, window + 1, 2 * window + 3], device="cpu").view(-1, 1)
+        kv = (q + torch.tensor([-window - 1, -window, -window + 1, -1, 0, 1], device="cpu")).clamp(min=0)
         got = _mask_values(mask_function, q, kv)
         return got is not None and bool(torch.equal(got, (kv <= q) & (kv > q - window)))
 
@@ -583,8 +586,8 @@ def _is_sliding_bidirectional(mask_function, half_width):
         return False
     w = half_width
     with _python_dispatch._disable_current_modes():
-        q = torch.tensor([0, 1, w, w + 1, 2 * w + 3]).view(-1, 1)
-        kv = (q + torch.tensor([-w - 1, -w, -w + 1, -1, 0, 1, w - 1, w, w + 1])).clamp(min=0)
+        q = torch.tensor([0, 1, w, w + 1, 2 * w + 3], device="cpu").view(-1, 1)
+        kv = (q + torch.tensor([-w - 1, -w, -w + 1, -1, 0, 1, w - 1, w, w + 1], device="cpu")).clamp(min=0)
         got = _mask_values(mask_function, q, kv)
         return got is not None and bool(torch.equal(got, (kv - q).abs() <= w))
 
@@ -607,7 +610,7 @@ def _is_everywhere(mask_function):
     if mask_function is bidirectional_mask_function:
         return True
     with _python_dispatch._disable_current_modes():
-        idx = torch.tensor([0, 1, 2, 7, 63, 64, 65, 1000, 4097, 70001])
+        idx = torch.tensor([0, 1, 2, 7, 63, 64, 65, 1000, 4097, 70001], device="cpu")
         got = _mask_values(mask_function, idx, idx)
         return got is not None and bool(got.all())
 
