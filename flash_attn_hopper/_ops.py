@@ -6,6 +6,7 @@ so it is loaded with ``torch.ops.load_library`` rather than imported.
 
 import functools
 import glob
+import math
 import mmap
 import os
 import warnings
@@ -61,6 +62,19 @@ def _same_file(a, b):
         return False
 
 
+def _load_hint(reason):
+    """What to do about the dynamic loader's reason for refusing the extension."""
+    if any(f"`{lib}_" in reason for lib in ("GLIBC", "GLIBCXX", "CXXABI")):
+        # "version `GLIBC_2.38' not found": the build machine's C or C++ runtime is newer than this one's
+        return ("a version of GLIBC, GLIBCXX or CXXABI not found means it was built on a system with a newer C or C++ "
+                "runtime than this one (a build runs only where glibc and libstdc++ are at least as new as where it "
+                "was built): build it on this machine (`pip install --no-build-isolation .`)")
+    if "undefined symbol" in reason:
+        return ("an undefined symbol means it was built against another torch version than this one: rebuild it with "
+                "this torch (`pip install --no-build-isolation .`)")
+    return "rebuild it with this torch (`pip install --no-build-isolation .`) if it was built against another one"
+
+
 def _load():
     global _load_error, LIBRARY_PATH
     candidates = sorted(glob.glob(os.path.join(_LIB_DIR, "_C*.so")))
@@ -94,15 +108,9 @@ def _load():
         # torch's OSError hides the loader's own message (an undefined symbol, a missing libcudart) in its cause
         cause = e.__cause__ or e.__context__
         reason = f"{e}: {cause}" if cause is not None and str(cause) not in str(e) else str(e)
-        hint = (
-            "an undefined symbol means it was built against another torch version than this one: rebuild it with "
-            "this torch (`pip install --no-build-isolation .`)"
-            if "undefined symbol" in reason
-            else "rebuild it with this torch (`pip install --no-build-isolation .`) if it was built against another one"
-        )
         _load_error = (
             f"the flash_attn_hopper CUDA extension could not be loaded from {candidates[0]} ({reason}). This process "
-            f"runs torch {torch.__version__} (CUDA {torch.version.cuda}); {hint}."
+            f"runs torch {torch.__version__} (CUDA {torch.version.cuda}); {_load_hint(reason)}."
         )
         return False
     LIBRARY_PATH = candidates[0]
@@ -124,6 +132,7 @@ def _register_python_kernels():
 
     @register_fake("flash_attn_hopper::fwd")
     def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None):
+        _check_fake_inputs(4, q, k, v, softmax_scale, causal, window_left, window_right, softcap)
         batch, seqlen_q, nheads, _ = q.shape
         return q.new_empty((batch, seqlen_q, nheads, v.shape[-1])), q.new_empty(
             (batch, nheads, seqlen_q), dtype=torch.float32
@@ -132,16 +141,71 @@ def _register_python_kernels():
     @register_fake("flash_attn_hopper::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
                   deterministic, doc_bounds=None):
+        _check_fake_inputs(4, q, k, v, softmax_scale, causal, window_left, window_right, softcap, out, dout, lse)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     @register_fake("flash_attn_hopper::fwd_varlen")
     def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
+        _check_fake_inputs(3, q, k, v, *args[:5])
         total_q, nheads, _ = q.shape
         return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
     @register_fake("flash_attn_hopper::bwd_varlen")
     def _bwd_varlen_fake(dout, q, k, v, out, lse, dlse, *args):
+        _check_fake_inputs(3, q, k, v, *args[4:9], out, dout, lse)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window_right, softcap, out=None, dout=None,
+                       lse=None):
+    """The C++ ops' checks (csrc/api/flash_api.cpp: check_attention_inputs, check_qkv, check_score_options) that the
+    output shapes and dtypes rest on, with their messages and error type (RuntimeError), for the fake kernels: meta and
+    fake tensors never reach the C++ checks, so direct op calls on them (FLOP counting, shape tracing) accepted float32
+    inputs or head_dim 60, and a q of the wrong rank failed inside the shape unpacking. Sizes and scalars without a
+    value (symbolic under torch.compile) are left to the real op; the Python functions check everything before that."""
+    layout = "(batch, seqlen, nheads, head_dim)" if rank == 4 else "(total_tokens, nheads, head_dim)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError("q must be float16 or bfloat16")
+    named = [("q", q), ("k", k), ("v", v)] + [(n, t) for n, t in (("out", out), ("dout", dout)) if t is not None]
+    for name, t in named:
+        if t.dtype != q.dtype:
+            raise RuntimeError(f"{name} must have the dtype of q")
+        if t.dim() != rank:
+            raise RuntimeError(f"{name} must have rank {rank} {layout}")
+
+    def known(*sizes):
+        return all(isinstance(x, int) for x in sizes)
+
+    nheads, head_dim, nheads_k, head_dim_v = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    if rank == 4 and known(q.shape[0], k.shape[0], v.shape[0]) and not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise RuntimeError("k and v must match q in batch")
+    if known(k.shape[-1], head_dim) and k.shape[-1] != head_dim:
+        raise RuntimeError(f"k must have head_dim {head_dim}, got {k.shape[-1]}")
+    if known(v.shape[-2], nheads_k) and v.shape[-2] != nheads_k:
+        raise RuntimeError("k and v must have the same nheads_k")
+    if known(nheads, nheads_k) and (nheads != 0 if nheads_k == 0 else nheads % nheads_k != 0):
+        raise RuntimeError(f"q's nheads must be a multiple of k's and v's nheads_k, got {nheads} and {nheads_k}")
+    if known(k.shape[-3], v.shape[-3]) and k.shape[-3] != v.shape[-3]:
+        raise RuntimeError("k and v must have the same seqlen_k")
+    for name, d in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
+        if known(d) and not (8 <= d <= 256 and d % 8 == 0):
+            raise RuntimeError(f"{name} must be a multiple of 8 in [8, 256], got {d}")
+    if isinstance(softmax_scale, (int, float)) and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise RuntimeError("softmax_scale must be finite and > 0")
+    if known(window_left, window_right):
+        if window_left < -1 or window_right < -1:
+            raise RuntimeError(f"window_size entries must be >= -1 (-1: unbounded), got ({window_left}, {window_right})")
+        if causal is True and window_right > 0:
+            raise RuntimeError(f"causal=True fixes the window's right side at 0, got window_size ({window_left}, "
+                               f"{window_right})")
+    if isinstance(softcap, (int, float)) and not (math.isfinite(softcap) and softcap >= 0):
+        raise RuntimeError(f"softcap must be finite and >= 0, got {softcap}")
+    if out is not None and known(*out.shape, *dout.shape) and tuple(out.shape) != tuple(dout.shape):
+        shape = "(batch, seqlen_q, nheads, head_dim_v)" if rank == 4 else "(total_q, nheads, head_dim_v)"
+        raise RuntimeError(f"out and dout must be {shape}: q's shape with v's head_dim")
+    if lse is not None and (lse.dtype != torch.float32 or lse.dim() != rank - 1):
+        shape = "(batch, nheads, seqlen_q)" if rank == 4 else "(nheads, total_q)"
+        raise RuntimeError(f"lse must be the contiguous float32 {shape} tensor of the forward")
 
 
 if EXTENSION_LOADED:

@@ -1,0 +1,139 @@
+"""Direct ``torch.ops.flash_attn_hopper.*`` calls on meta tensors (the README's FLOP counting, shape tracing), and the
+loader's advice when the dynamic loader refuses the extension.
+
+Found by a first-time-user trial of the README (session 47): meta and fake tensors never reach the C++ ops' checks,
+so the fake kernels accepted float32 inputs, head_dim 60, nheads 2 over nheads_k 3, a negative softmax_scale, window
+sides below -1, k and v of different seqlen_k or a wrong-shaped lse, and a q of the wrong rank failed inside the
+shape unpacking ("not enough values to unpack"). The fake kernels now run the C++ checks that the output shapes rest
+on, with the same messages and error type (RuntimeError). A build made on a machine with a newer glibc failed to load
+with the advice to rebuild against this torch; the advice now names the C runtime.
+
+No GPU: meta tensors; needs the compiled extension (the ops' schemas), and skips without it."""
+
+import re
+
+import pytest
+import torch
+
+from flash_attn_hopper import _ops
+
+needs_ops = pytest.mark.skipif(
+    not _ops.EXTENSION_LOADED, reason="the compiled extension is not built here (CI builds it; see README)"
+)
+
+ops = torch.ops.flash_attn_hopper if _ops.EXTENSION_LOADED else None
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def _dense(q_shape=(2, 33, 4, 64), k_shape=(2, 33, 4, 64), v_shape=None, dtype=torch.bfloat16):
+    q, k = _meta(*q_shape, dtype=dtype), _meta(*k_shape, dtype=dtype)
+    return q, k, _meta(*(v_shape or k_shape), dtype=dtype)
+
+
+# (case id, q/k/v, softmax_scale, causal, window_left, window_right, softcap, the message's start)
+_DENSE_BAD = [
+    ("rank3_q", dict(q_shape=(33, 4, 64)), 0.1, False, -1, -1, 0.0, "q must have rank 4"),
+    ("rank5_v", dict(v_shape=(2, 33, 4, 64, 1)), 0.1, False, -1, -1, 0.0, "v must have rank 4"),
+    ("float32", dict(dtype=torch.float32), 0.1, False, -1, -1, 0.0, "q must be float16 or bfloat16"),
+    ("head_dim_60", dict(q_shape=(2, 33, 4, 60), k_shape=(2, 33, 4, 60)), 0.1, False, -1, -1, 0.0,
+     "head_dim must be a multiple of 8 in [8, 256], got 60"),
+    ("head_dim_v_264", dict(v_shape=(2, 33, 4, 264)), 0.1, False, -1, -1, 0.0,
+     "v's head_dim must be a multiple of 8 in [8, 256], got 264"),
+    ("k_head_dim", dict(k_shape=(2, 33, 4, 128), v_shape=(2, 33, 4, 64)), 0.1, False, -1, -1, 0.0,
+     "k must have head_dim 64, got 128"),
+    ("nheads_2_over_3", dict(q_shape=(2, 33, 2, 64), k_shape=(2, 33, 3, 64)), 0.1, False, -1, -1, 0.0,
+     "q's nheads must be a multiple of k's and v's nheads_k, got 2 and 3"),
+    ("v_nheads_k", dict(v_shape=(2, 33, 2, 64)), 0.1, False, -1, -1, 0.0, "k and v must have the same nheads_k"),
+    ("v_seqlen_k", dict(v_shape=(2, 40, 4, 64)), 0.1, False, -1, -1, 0.0, "k and v must have the same seqlen_k"),
+    ("k_batch", dict(k_shape=(3, 33, 4, 64)), 0.1, False, -1, -1, 0.0, "k and v must match q in batch"),
+    ("negative_scale", {}, -0.1, False, -1, -1, 0.0, "softmax_scale must be finite and > 0"),
+    ("nan_scale", {}, float("nan"), False, -1, -1, 0.0, "softmax_scale must be finite and > 0"),
+    ("window_left_-5", {}, 0.1, False, -5, -1, 0.0, "window_size entries must be >= -1"),
+    ("causal_right_3", {}, 0.1, True, -1, 3, 0.0, "causal=True fixes the window's right side at 0"),
+    ("negative_softcap", {}, 0.1, False, -1, -1, -1.0, "softcap must be finite and >= 0"),
+]
+
+
+@needs_ops
+@pytest.mark.parametrize("case", _DENSE_BAD, ids=[c[0] for c in _DENSE_BAD])
+def test_fwd_on_meta_raises_the_ops_error(case):
+    _, shapes, scale, causal, left, right, softcap, message = case
+    q, k, v = _dense(**shapes)
+    with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+        ops.fwd(q, k, v, scale, causal, left, right, softcap, False)
+
+
+@needs_ops
+@pytest.mark.parametrize("case", _DENSE_BAD, ids=[c[0] for c in _DENSE_BAD])
+def test_bwd_on_meta_raises_the_ops_error(case):
+    _, shapes, scale, causal, left, right, softcap, message = case
+    q, k, v = _dense(**shapes)
+    out = _meta(*q.shape[:-1], v.shape[-1], dtype=q.dtype) if q.dim() == 4 and v.dim() == 4 else q
+    lse = _meta(2, 4, 33, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+        ops.bwd(out, q, k, v, out, lse, None, scale, causal, left, right, softcap, False)
+
+
+@needs_ops
+def test_valid_calls_on_meta_give_the_output_shapes():
+    """The checks pass what the ops accept: GQA 6 over 2 with head_dim_v 128 beside 192, a causal window, a softcap."""
+    q, k, v = _dense((2, 33, 6, 192), (2, 50, 2, 192), (2, 50, 2, 128))
+    out, lse = ops.fwd(q, k, v, 0.1, True, 7, 0, 30.0, False)
+    assert out.shape == (2, 33, 6, 128) and out.dtype == q.dtype and lse.shape == (2, 6, 33)
+    assert lse.dtype == torch.float32
+    grads = ops.bwd(out, q, k, v, out, lse, None, 0.1, True, 7, 0, 30.0, True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    cu = torch.zeros(4, dtype=torch.int32, device="meta")
+    q3, k3, v3 = _meta(40, 6, 64, dtype=torch.float16), _meta(70, 3, 64, dtype=torch.float16), \
+        _meta(70, 3, 64, dtype=torch.float16)
+    out3, lse3 = ops.fwd_varlen(q3, k3, v3, cu, cu, 20, 30, 0.125, False, 5, 5, 0.0, False)
+    assert out3.shape == (40, 6, 64) and lse3.shape == (6, 40)
+    grads3 = ops.bwd_varlen(out3, q3, k3, v3, out3, lse3, None, cu, cu, 20, 30, 0.125, False, 5, 5, 0.0, False)
+    assert [g.shape for g in grads3] == [q3.shape, k3.shape, v3.shape]
+
+
+@needs_ops
+@pytest.mark.parametrize("case", [
+    ("rank4_q", (1, 40, 4, 64), (40, 4, 64), 0.1, -1, 0.0, "q must have rank 3 (total_tokens, nheads, head_dim)"),
+    ("head_dim_40_k", (40, 4, 64), (40, 4, 40), 0.1, -1, 0.0, "k must have head_dim 64, got 40"),
+    ("window_right_-2", (40, 4, 64), (40, 4, 64), 0.1, -2, 0.0, "window_size entries must be >= -1"),
+    ("inf_softcap", (40, 4, 64), (40, 4, 64), 0.1, -1, float("inf"), "softcap must be finite and >= 0"),
+], ids=lambda c: c[0])
+def test_varlen_ops_on_meta_raise_the_ops_error(case):
+    _, q_shape, k_shape, scale, right, softcap, message = case
+    q, k, v = _meta(*q_shape), _meta(*k_shape), _meta(*k_shape)
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+        ops.fwd_varlen(q, k, v, cu, cu, 20, 20, scale, False, -1, right, softcap, False)
+    lse = _meta(4, 40, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+        ops.bwd_varlen(q, q, k, v, q, lse, None, cu, cu, 20, 20, scale, False, -1, right, softcap, False)
+
+
+@needs_ops
+def test_bwd_on_meta_checks_lse_and_out():
+    q, k, v = _dense()
+    lse = _meta(2, 4, 33, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"^lse must be the contiguous float32 \(batch, nheads, seqlen_q\)"):
+        ops.bwd(q, q, k, v, q, _meta(2, 4, 33, dtype=torch.bfloat16), None, 0.1, False, -1, -1, 0.0, False)
+    with pytest.raises(RuntimeError, match=r"^lse must be the contiguous float32 \(batch, nheads, seqlen_q\)"):
+        ops.bwd(q, q, k, v, q, _meta(2, 4, dtype=torch.float32), None, 0.1, False, -1, -1, 0.0, False)
+    with pytest.raises(RuntimeError, match=r"^out and dout must be \(batch, seqlen_q, nheads, head_dim_v\)"):
+        ops.bwd(_meta(2, 30, 4, 64), q, k, v, q, lse, None, 0.1, False, -1, -1, 0.0, False)
+    with pytest.raises(RuntimeError, match="^dout must have the dtype of q"):
+        ops.bwd(_meta(2, 33, 4, 64, dtype=torch.float16), q, k, v, q, lse, None, 0.1, False, -1, -1, 0.0, False)
+
+
+@pytest.mark.parametrize("reason, advice", [
+    ("version `GLIBC_2.38' not found (required by /x/_C.abi3.so)", "newer C or C++ runtime"),
+    ("/lib/libstdc++.so.6: version `GLIBCXX_3.4.32' not found", "newer C or C++ runtime"),
+    ("version `CXXABI_1.3.15' not found", "newer C or C++ runtime"),
+    ("/x/_C.abi3.so: undefined symbol: _ZN3c104cuda9SetDeviceEa", "built against another torch version"),
+    ("libcudart.so.13: cannot open shared object file", "if it was built against another one"),
+], ids=["glibc", "glibcxx", "cxxabi", "undefined_symbol", "other"])
+def test_load_advice_names_the_cause(reason, advice):
+    hint = _ops._load_hint(reason)
+    assert advice in hint and "pip install --no-build-isolation ." in hint
