@@ -23,7 +23,6 @@ The ops run through the CPU stand-ins of tests/cpu_stand_ins.py (the extension's
 autograd node; float32 references for the kernels).
 """
 
-import importlib
 
 import pytest
 import torch
@@ -33,13 +32,7 @@ from flash_attn_hopper import attention, attention_varlen, interface
 
 from cpu_stand_ins import STAND_INS, ops_on_cpu
 
-try:
-    importlib.import_module("transformers")
-    HAVE_TRANSFORMERS = True
-except ImportError:
-    HAVE_TRANSFORMERS = False
-
-requires_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs the transformers package")
+from optional_deps import requires_transformers
 
 
 class _FactoryDevices(TorchFunctionMode):

@@ -18,7 +18,6 @@ tests/test_transformers_cpu.py; the models are compared against transformers' ea
 """
 
 import copy
-import importlib
 import os
 import shutil
 import subprocess
@@ -32,13 +31,7 @@ import flash_attn_hopper
 from flash_attn_hopper import interface
 from flash_attn_hopper.testing import attention_ref, attention_varlen_ref
 
-try:
-    importlib.import_module("transformers")
-    HAVE_TRANSFORMERS = True
-except ImportError:
-    HAVE_TRANSFORMERS = False
-
-requires_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs the transformers package")
+from optional_deps import requires_transformers
 
 NAME = "flash_attn_hopper"
 HALF_WIDTH = 4  # ModernBERT's config.sliding_window = local_attention // 2

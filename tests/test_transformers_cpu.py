@@ -9,7 +9,6 @@ the scale, the causal flag and the mask handling without the kernel (the GPU tes
 Tests that need transformers skip, with the reason, when it is not installed (CI installs it; see .ci/run)."""
 
 import copy
-import importlib
 import subprocess
 import sys
 import types
@@ -20,14 +19,7 @@ import torch
 from flash_attn_hopper import interface
 from flash_attn_hopper.testing import attention_ref, attention_varlen_ref
 
-try:
-    importlib.import_module("transformers")
-    HAVE_TRANSFORMERS = True
-except ImportError:
-    HAVE_TRANSFORMERS = False
-requires_transformers = pytest.mark.skipif(
-    not HAVE_TRANSFORMERS, reason="transformers is not installed (pip install transformers): integration not tested"
-)
+from optional_deps import requires_transformers
 
 NAME = "flash_attn_hopper"
 
