@@ -64,8 +64,9 @@ def _same_file(a, b):
 
 def _load_hint(reason):
     """What to do about the dynamic loader's reason for refusing the extension."""
-    if any(f"`{lib}_" in reason for lib in ("GLIBC", "GLIBCXX", "CXXABI")):
-        # "version `GLIBC_2.38' not found": the build machine's C or C++ runtime is newer than this one's
+    if any(f"{lib}_" in reason for lib in ("GLIBC", "GLIBCXX", "CXXABI")):
+        # "version `GLIBC_2.38' not found", "symbol ... version GLIBCXX_3.4.29 not defined in file libstdc++.so.6":
+        # the build machine's C or C++ runtime is newer than this one's
         return ("a version of GLIBC, GLIBCXX or CXXABI not found means it was built on a system with a newer C or C++ "
                 "runtime than this one (a build runs only where glibc and libstdc++ are at least as new as where it "
                 "was built): build it on this machine (`pip install --no-build-isolation .`)")
@@ -163,24 +164,26 @@ def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window
     fake tensors never reach the C++ checks, so direct op calls on them (FLOP counting, shape tracing) accepted float32
     inputs or head_dim 60, and a q of the wrong rank failed inside the shape unpacking. Sizes and scalars without a
     value (symbolic under torch.compile) are left to the real op; the Python functions check everything before that."""
-    layout = "(batch, seqlen, nheads, head_dim)" if rank == 4 else "(total_tokens, nheads, head_dim)"
+    def known(*sizes):
+        return all(isinstance(x, int) for x in sizes)
+
+    named = [("q", q), ("k", k), ("v", v)] + [(n, t) for n, t in (("out", out), ("dout", dout)) if t is not None]
+    if rank == 3 and any(t.dim() != 3 for _, t in named):  # the varlen ops check ranks first
+        raise RuntimeError(f"{', '.join(n for n, _ in named)} must have rank 3 (total_tokens, nheads, head_dim) for "
+                           "variable-length attention")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError("q must be float16 or bfloat16")
-    named = [("q", q), ("k", k), ("v", v)] + [(n, t) for n, t in (("out", out), ("dout", dout)) if t is not None]
     for name, t in named:
         if t.dtype != q.dtype:
             raise RuntimeError(f"{name} must have the dtype of q")
         if t.dim() != rank:
-            raise RuntimeError(f"{name} must have rank {rank} {layout}")
-
-    def known(*sizes):
-        return all(isinstance(x, int) for x in sizes)
+            raise RuntimeError(f"{name} must have rank 4 (batch, seqlen, nheads, head_dim)")
+        if rank == 4 and known(t.shape[0], q.shape[0]) and t.shape[0] != q.shape[0]:
+            raise RuntimeError(f"{name} must match q in batch")
+        if name == "k" and known(k.shape[-1], q.shape[-1]) and k.shape[-1] != q.shape[-1]:
+            raise RuntimeError(f"k must have head_dim {q.shape[-1]}, got {k.shape[-1]}")
 
     nheads, head_dim, nheads_k, head_dim_v = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
-    if rank == 4 and known(q.shape[0], k.shape[0], v.shape[0]) and not q.shape[0] == k.shape[0] == v.shape[0]:
-        raise RuntimeError("k and v must match q in batch")
-    if known(k.shape[-1], head_dim) and k.shape[-1] != head_dim:
-        raise RuntimeError(f"k must have head_dim {head_dim}, got {k.shape[-1]}")
     if known(v.shape[-2], nheads_k) and v.shape[-2] != nheads_k:
         raise RuntimeError("k and v must have the same nheads_k")
     if known(nheads, nheads_k) and (nheads != 0 if nheads_k == 0 else nheads % nheads_k != 0):
@@ -194,7 +197,8 @@ def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window
         raise RuntimeError("softmax_scale must be finite and > 0")
     if known(window_left, window_right):
         if window_left < -1 or window_right < -1:
-            raise RuntimeError(f"window_size entries must be >= -1 (-1: unbounded), got ({window_left}, {window_right})")
+            raise RuntimeError(f"window_size entries must be >= -1 (-1: unbounded), got ({window_left}, "
+                               f"{window_right})")
         if causal is True and window_right > 0:
             raise RuntimeError(f"causal=True fixes the window's right side at 0, got window_size ({window_left}, "
                                f"{window_right})")

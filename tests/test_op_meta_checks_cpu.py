@@ -48,7 +48,7 @@ _DENSE_BAD = [
      "q's nheads must be a multiple of k's and v's nheads_k, got 2 and 3"),
     ("v_nheads_k", dict(v_shape=(2, 33, 2, 64)), 0.1, False, -1, -1, 0.0, "k and v must have the same nheads_k"),
     ("v_seqlen_k", dict(v_shape=(2, 40, 4, 64)), 0.1, False, -1, -1, 0.0, "k and v must have the same seqlen_k"),
-    ("k_batch", dict(k_shape=(3, 33, 4, 64)), 0.1, False, -1, -1, 0.0, "k and v must match q in batch"),
+    ("k_batch", dict(k_shape=(3, 33, 4, 64)), 0.1, False, -1, -1, 0.0, "k must match q in batch"),
     ("negative_scale", {}, -0.1, False, -1, -1, 0.0, "softmax_scale must be finite and > 0"),
     ("nan_scale", {}, float("nan"), False, -1, -1, 0.0, "softmax_scale must be finite and > 0"),
     ("window_left_-5", {}, 0.1, False, -5, -1, 0.0, "window_size entries must be >= -1"),
@@ -95,21 +95,29 @@ def test_valid_calls_on_meta_give_the_output_shapes():
     assert [g.shape for g in grads3] == [q3.shape, k3.shape, v3.shape]
 
 
+_RANK3 = "must have rank 3 (total_tokens, nheads, head_dim) for variable-length attention"
+_RANK3_MESSAGES = ("q, k, v " + _RANK3, "q, k, v, out, dout " + _RANK3)  # fwd_varlen's, bwd_varlen's
+
+
 @needs_ops
 @pytest.mark.parametrize("case", [
-    ("rank4_q", (1, 40, 4, 64), (40, 4, 64), 0.1, -1, 0.0, "q must have rank 3 (total_tokens, nheads, head_dim)"),
+    ("rank4_q", (1, 40, 4, 64), (40, 4, 64), 0.1, -1, 0.0, _RANK3_MESSAGES),
+    ("float32_rank4_q", (1, 40, 4, 64), (40, 4, 64), 0.1, -1, 0.0, _RANK3_MESSAGES),
     ("head_dim_40_k", (40, 4, 64), (40, 4, 40), 0.1, -1, 0.0, "k must have head_dim 64, got 40"),
     ("window_right_-2", (40, 4, 64), (40, 4, 64), 0.1, -2, 0.0, "window_size entries must be >= -1"),
     ("inf_softcap", (40, 4, 64), (40, 4, 64), 0.1, -1, float("inf"), "softcap must be finite and >= 0"),
 ], ids=lambda c: c[0])
 def test_varlen_ops_on_meta_raise_the_ops_error(case):
-    _, q_shape, k_shape, scale, right, softcap, message = case
-    q, k, v = _meta(*q_shape), _meta(*k_shape), _meta(*k_shape)
+    """As the C++ varlen ops: ranks are checked first (a float32 rank-4 q gets the rank's message), then the rest."""
+    name, q_shape, k_shape, scale, right, softcap, message = case
+    fwd_message, bwd_message = message if isinstance(message, tuple) else (message, message)
+    q = _meta(*q_shape, dtype=torch.float32 if name.startswith("float32") else torch.bfloat16)
+    k, v = _meta(*k_shape), _meta(*k_shape)
     cu = torch.zeros(3, dtype=torch.int32, device="meta")
-    with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+    with pytest.raises(RuntimeError, match="^" + re.escape(fwd_message)):
         ops.fwd_varlen(q, k, v, cu, cu, 20, 20, scale, False, -1, right, softcap, False)
     lse = _meta(4, 40, dtype=torch.float32)
-    with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+    with pytest.raises(RuntimeError, match="^" + re.escape(bwd_message)):
         ops.bwd_varlen(q, q, k, v, q, lse, None, cu, cu, 20, 20, scale, False, -1, right, softcap, False)
 
 
@@ -130,10 +138,11 @@ def test_bwd_on_meta_checks_lse_and_out():
 @pytest.mark.parametrize("reason, advice", [
     ("version `GLIBC_2.38' not found (required by /x/_C.abi3.so)", "newer C or C++ runtime"),
     ("/lib/libstdc++.so.6: version `GLIBCXX_3.4.32' not found", "newer C or C++ runtime"),
+    ("symbol _ZSt4endl version GLIBCXX_3.4.29 not defined in file libstdc++.so.6", "newer C or C++ runtime"),
     ("version `CXXABI_1.3.15' not found", "newer C or C++ runtime"),
     ("/x/_C.abi3.so: undefined symbol: _ZN3c104cuda9SetDeviceEa", "built against another torch version"),
     ("libcudart.so.13: cannot open shared object file", "if it was built against another one"),
-], ids=["glibc", "glibcxx", "cxxabi", "undefined_symbol", "other"])
+], ids=["glibc", "glibcxx", "glibcxx_not_defined", "cxxabi", "undefined_symbol", "other"])
 def test_load_advice_names_the_cause(reason, advice):
     hint = _ops._load_hint(reason)
     assert advice in hint and "pip install --no-build-isolation ." in hint
