@@ -212,8 +212,79 @@ def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window
         raise RuntimeError(f"lse must be the contiguous float32 {shape} tensor of the forward")
 
 
+# help() texts of the ops, whose C++ schemas carry none (a first-time user found `__doc__` None). The Python functions
+# (interface.attention, attention_varlen) are the API; these are what they call.
+_COMMON = """
+    softmax_scale (float): multiplies Q Kᵀ; finite, > 0, a normal float32 value (also times log2(e)).
+    causal (bool): the window's right side is 0 (bottom-right aligned).
+    window_left, window_right (int): -1 unbounded, else >= 0 (DESIGN.md §2).
+    softcap (float): 0 off, else c > 0: the scaled scores x become c * tanh(x / c) before the softmax.
+    deterministic (bool): the backward adds dQ (and GQA dK/dV sums) in a fixed order.
+    Raises RuntimeError (not the Python functions' ValueError / TypeError) for inputs the kernels cannot take: a
+    dtype other than fp16 / bf16, mismatched ranks, shapes, dtypes or devices, a head_dim that is not a multiple of 8
+    in [8, 256] or not built, nheads not a multiple of nheads_k, bad scale / window / softcap values; on meta and fake
+    tensors the same checks run where the values are known. No GPU: CUDA tensors only (PyTorch's dispatch error).
+    Math: FlashAttention-3 paper (Shah et al., 2024), §3.1 (forward, Algorithm 1) and §2.1 (gradients)."""
+_OP_DOCS = {
+    "fwd": """fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None)
+    -> (out, lse)
+
+    Dense attention forward. q: (batch, seqlen_q, nheads, head_dim); k: (batch, seqlen_k, nheads_k, head_dim);
+    v: (batch, seqlen_k, nheads_k, head_dim_v); fp16 or bf16, on one sm90 GPU (copied where TMA cannot read the
+    strides). doc_bounds: None, or a contiguous int32 (batch, seqlen, 2) tensor holding, per position, the first
+    position of its document and one past the last (self-attention; interface.document_bounds makes it).
+    Returns out (batch, seqlen_q, nheads, head_dim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32, the
+    natural-log log-sum-exp of each row of scaled scores (-inf and a zero out row for a row that sees no key)."""
+    + _COMMON,
+    "bwd": """bwd(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
+    deterministic, doc_bounds=None) -> (dq, dk, dv)
+
+    Dense attention backward. dout, out: (batch, seqlen_q, nheads, head_dim_v) in q's dtype; q, k, v as for fwd;
+    lse: fwd's float32 (batch, nheads, seqlen_q); dlse: None or the float32 gradient of lse (same shape: dS gains
+    P ∘ dLSE). The other arguments must be fwd's. Returns dq, dk, dv shaped and typed as q, k, v (GQA: dk, dv summed
+    over each group's query heads)."""
+    + _COMMON,
+    "fwd_varlen": """fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+    window_left, window_right, softcap, deterministic) -> (out, lse)
+
+    Variable-length forward over packed tokens. q: (total_q, nheads, head_dim); k: (total_k, nheads_k, head_dim);
+    v: (total_k, nheads_k, head_dim_v); cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) row offsets on q's device;
+    max_seqlen_q / max_seqlen_k: upper bounds of the lengths. The values of cu_seqlens are trusted (clamped to the
+    tensors' rows in the kernels, not checked: attention_varlen checks them). Returns out (total_q, nheads,
+    head_dim_v) and lse (nheads, total_q) float32; rows outside every sequence get out 0 and lse -inf."""
+    + _COMMON,
+    "bwd_varlen": """bwd_varlen(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    softmax_scale, causal, window_left, window_right, softcap, deterministic) -> (dq, dk, dv)
+
+    Variable-length backward: the arguments of fwd_varlen plus dout, out (total_q, nheads, head_dim_v), lse
+    (nheads, total_q) and dlse (None or lse's shape, float32). Returns dq, dk, dv shaped and typed as q, k, v; rows
+    outside every sequence get zero gradients."""
+    + _COMMON,
+    "build_config": """build_config() -> str
+
+    The head dims and dtypes this build compiled, as "head_dims=64,...;dtypes=fp16,bf16,"
+    (flash_attn_hopper.build_config() parses it).""",
+    "fwd_block_m": """fwd_block_m(head_dim, head_dim_v, batch, nheads, seqlen_q, seqlen_k, causal, window_left,
+    window_right, num_sms) -> int
+
+    The forward's tile height (query rows per CTA tile: 128 or 192 at head_dim 64, else 128) that the launcher picks
+    for this problem on a GPU with num_sms SMs (FAH_FWD_BLOCK_M forces it). Arguments as fwd's; raises RuntimeError
+    for values the forward would refuse.""",
+}
+
+
+def _document_ops():
+    namespace = getattr(torch.ops, _NAMESPACE)
+    for name, doc in _OP_DOCS.items():
+        if hasattr(namespace, name):
+            packet = getattr(namespace, name)
+            packet.__doc__ = doc
+            packet.default.__doc__ = doc
+
+
 if EXTENSION_LOADED:
     _register_python_kernels()
+    _document_ops()
 
 
 # ------------------------------------------------------------------------------------------ FLOP counting

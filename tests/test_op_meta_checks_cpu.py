@@ -146,3 +146,21 @@ def test_bwd_on_meta_checks_lse_and_out():
 def test_load_advice_names_the_cause(reason, advice):
     hint = _ops._load_hint(reason)
     assert advice in hint and "pip install --no-build-isolation ." in hint
+
+
+@needs_ops
+@pytest.mark.parametrize("name, words", [
+    ("fwd", ["(batch, seqlen_q, nheads, head_dim)", "lse (batch, nheads, seqlen_q) float32", "RuntimeError"]),
+    ("bwd", ["dlse", "(batch, nheads, seqlen_q)", "RuntimeError"]),
+    ("fwd_varlen", ["(total_q, nheads, head_dim)", "cu_seqlens_q", "lse (nheads, total_q) float32"]),
+    ("bwd_varlen", ["(nheads, total_q)", "zero gradients"]),
+    ("build_config", ["head_dims="]),
+    ("fwd_block_m", ["num_sms", "128 or 192"]),
+])
+def test_ops_have_docstrings(name, words):
+    """help(torch.ops.flash_attn_hopper.<op>) tells shapes, dtypes and errors (the C++ schemas carry no text)."""
+    for target in (getattr(ops, name), getattr(ops, name).default):
+        doc = target.__doc__ or ""
+        assert doc.startswith(name + "("), (name, doc[:80])
+        for word in words:
+            assert word in doc, (name, word)
