@@ -164,6 +164,8 @@ def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window
     fake tensors never reach the C++ checks, so direct op calls on them (FLOP counting, shape tracing) accepted float32
     inputs or head_dim 60, and a q of the wrong rank failed inside the shape unpacking. Sizes and scalars without a
     value (symbolic under torch.compile) are left to the real op; the Python functions check everything before that."""
+    from .interface import SUPPORTED_DTYPES, kernel_head_dim  # the library's one statement of these rules
+
     def known(*sizes):
         return all(isinstance(x, int) for x in sizes)
 
@@ -171,7 +173,7 @@ def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window
     if rank == 3 and any(t.dim() != 3 for _, t in named):  # the varlen ops check ranks first
         raise RuntimeError(f"{', '.join(n for n, _ in named)} must have rank 3 (total_tokens, nheads, head_dim) for "
                            "variable-length attention")
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if q.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError("q must be float16 or bfloat16")
     for name, t in named:
         if t.dtype != q.dtype:
@@ -191,7 +193,7 @@ def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window
     if known(k.shape[-3], v.shape[-3]) and k.shape[-3] != v.shape[-3]:
         raise RuntimeError("k and v must have the same seqlen_k")
     for name, d in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
-        if known(d) and not (8 <= d <= 256 and d % 8 == 0):
+        if known(d) and kernel_head_dim(d) is None:
             raise RuntimeError(f"{name} must be a multiple of 8 in [8, 256], got {d}")
     if isinstance(softmax_scale, (int, float)) and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise RuntimeError("softmax_scale must be finite and > 0")
