@@ -432,13 +432,23 @@ def _documents(position_ids, query, key):
         cached = _DOCUMENTS.get(position_ids, query.device)
         if cached is not _ValueNotes.MISSING and cached[0] == batch:
             return cached[1]
-    pos = position_ids.to(query.device)
+        # Kept ids are made outside inference mode (as _ValueNotes.computed makes its results): ids made during a
+        # torch.inference_mode() forward were inference tensors, which the training forwards that followed with the
+        # same position_ids were served; flash_attn_hopper.attention never keeps the bounds of inference tensors, so
+        # every layer of those forwards recomputed them.
+        with torch.inference_mode(False):
+            ids = _document_ids(position_ids, query.device, batch, seqlen)
+        _DOCUMENTS.put(position_ids, (batch, ids), query.device)
+        return ids
+    return _document_ids(position_ids, query.device, batch, seqlen)
+
+
+def _document_ids(position_ids, device, batch, seqlen):
+    """_documents' ids: a new document wherever the position does not count up by one, expanded to the batch."""
+    pos = position_ids.to(device)
     restarts = (pos[:, 1:] != pos[:, :-1] + 1).to(torch.int32)
     ids = torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1).cumsum(1, dtype=torch.int32)
-    ids = ids.expand(batch, seqlen)
-    if not compiling:
-        _DOCUMENTS.put(position_ids, (batch, ids), query.device)
-    return ids
+    return ids.expand(batch, seqlen)
 
 
 def _without_packing_check(preprocess):
