@@ -274,3 +274,24 @@ def run_sanitizer(script, tool, env=None, timeout=140):
     text = r.stdout + r.stderr
     assert r.returncode == 0 and "done" in r.stdout, f"{tool}: rc {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     assert _SANITIZER_CLEAN[tool] in text, f"{tool}:\n{text[-4000:]}"
+
+
+# ------------------------------------------------------------------ one-sided rounding (sixteenth round, class DN)
+
+# The largest |bias| / mean|error| accepted by rounding_bias's callers. Round-to-nearest conversions give a few
+# hundredths (CPU dry run, tests/test_bug_reports_sixteenth_cpu.py: <= 0.03 for the float32 reference rounded to
+# fp16 / bf16, also with P rounded for the P V product, and for the naive reference); a conversion that rounds toward
+# zero or toward -inf gives about 1, and one of P alone (out rounded to nearest) about 0.65.
+ROUNDING_BIAS_LIMIT = 0.1
+
+
+def rounding_bias(x, ref):
+    """(mean(err), mean(err * sign(ref))) / mean(|err|), err = x - ref in float64: near 0 when x's rounding errors
+    (fp32 -> fp16 / bf16 conversions) are as often up as down, near -1 when every conversion rounds toward -inf
+    (first) or toward zero (second), whatever their size. A per-element tolerance (DESIGN.md §3's rule) accepts such
+    one-sided rounding: it is within an ulp."""
+    err = x.double() - ref.double()
+    scale = err.abs().mean().item()
+    if scale == 0:
+        return 0.0, 0.0
+    return err.mean().item() / scale, (err * torch.sign(ref.double())).mean().item() / scale
