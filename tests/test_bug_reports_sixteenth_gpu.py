@@ -19,6 +19,14 @@ DQ: after an evaluation forward under torch.inference_mode(), the integration's 
 position_ids tensor get document ids that are not inference tensors, whose bounds are computed once (fixed in this
 round; before, every layer of every later forward recomputed them); their gradients are right by the rule.
 
+DR: attention sinks in fp16: a few keys take ~99 % of every row's weight, so P of every other key, against the sinks'
+maximum in the forward's sink block and after the normalisation in the backward (P for dV, dS for dQ and dK), is an
+fp16 subnormal; a conversion or exponential that flushes subnormals to zero drops those keys' gradients while the rule
+over the whole tensor (its naive error set by the sinks' large dV) passes. The non-sink keys' dK and dV are checked by
+the rule on their own (arXiv 2606.06521, pages: P cast to a narrow format underflows to zero next to an attention sink;
+class AT covers fp16 subnormal inputs, not subnormal P). By the code (--use_fast_math's flush-to-zero applies to f32
+subnormals only; the f32 -> f16 conversion keeps f16 subnormal results) no fault is expected.
+
 Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py), and per test when the build lacks
 the head_dim / dtype (or transformers is not installed)."""
 
@@ -218,3 +226,50 @@ def test_training_call_after_an_inference_mode_call_with_the_same_position_ids(m
     naive_g = attention_ref_grads(qs, ks, vs, dout, causal=True, document_ids=ids, upcast=False)
     for gname, g, r, n in zip(("dq", "dk", "dv"), grads, ref_g, naive_g):
         assert_close_by_rule(g.transpose(1, 2), r, n, f"{name} {gname}")
+
+
+# ------------------------------------------------------------------------------ DR
+
+FP16_SMALLEST_NORMAL = 2.0**-14
+
+
+def _sink_inputs(head_dim, dtype, batch=2, seqlen=1024, nheads=4, sinks=4, margin=10.4):
+    """q, k, v, dout where every query's scores at the first `sinks` keys lie `margin` nats (softmax_scale 1/sqrt(d))
+    above the others: a shared direction (coordinate 0) carries 4 in every q and 2 * margin * sqrt(d) / 4 in the sink
+    keys, little in the others. P of a non-sink key is then ~exp(-margin) / sinks (~8e-6 at 10.4) after the
+    normalisation and ~3e-5 against the sinks' maximum: below fp16's smallest normal (6.1e-5)."""
+    q, k, v, dout = (torch.randn(batch, seqlen, nheads, head_dim, device=DEVICE) for _ in range(4))
+    q[..., 0] = 4.0
+    k[..., 0] *= 0.25
+    k[:, :sinks, :, 0] = margin * head_dim**0.5 / 4.0
+    return [t.to(dtype) for t in (q, k, v, dout)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_attention_sinks_put_the_other_keys_in_the_subnormal_range(dtype, head_dim, causal):
+    """DR: 4 sink keys take ~99 % of every row's weight; the forward's P of the other keys in the sinks' block (key
+    blocks are visited last first, so that block's P is taken against the sinks' maximum) and the backward's P and dS
+    of every other key are fp16 subnormals. out, LSE, dQ, dK, dV by the rule, and dK, dV of the non-sink keys by the
+    rule on their own (their values are ~1e-3 of the sinks': a rule over the whole tensor, whose naive error comes from
+    the sinks' large dV, cannot see them flushed to zero)."""
+    require_built(head_dim, dtype)
+    q, k, v, dout = _sink_inputs(head_dim, dtype)
+    opts = dict(causal=causal)
+    out, lse, grads = run_attention(q, k, v, dout, **opts)
+    name = f"sinks {dtype} {head_dim} {'causal' if causal else 'full'}"
+    # the construction: most P of the non-sink keys (normalised, as the backward recomputes them) below fp16's
+    # smallest normal, but not negligible in sum
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * head_dim**-0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=DEVICE).tril(), -torch.inf)
+    p = torch.exp(scores[..., 4:] - lse[..., None])
+    subnormal = (p > 0) & (p < FP16_SMALLEST_NORMAL)
+    assert subnormal.sum() >= 0.4 * (p > 0).sum() and p.sum(-1).mean() > 2e-3, "construction"
+    del scores, p, subnormal
+    check_attention(out, lse, grads, q, k, v, dout, name, **opts)
+    ref_g = attention_ref_grads(q, k, v, dout, **opts)
+    naive_g = attention_ref_grads(q, k, v, dout, upcast=False, **opts)
+    for gname, g, r, n in zip(("dk", "dv"), grads[1:], ref_g[1:], naive_g[1:]):
+        assert_close_by_rule(g[:, 4:], r[:, 4:], n[:, 4:], f"{name} {gname} of the non-sink keys")
