@@ -461,11 +461,18 @@ def _bwd_peak(q, k, v, dout, **kwargs):
     return torch.cuda.max_memory_allocated() - base, grads
 
 
-# Windows that hide no key (left >= seqlen_k - 1 and right >= seqlen_q - 1: 1100 tokens) count as no mask.
+# Windows that hide no key (left >= seqlen_k - 1 and right >= seqlen_q - 1) count as no mask; None: from seqlen.
 _RULE_MASKS = {"none": {}, "causal": {"causal": True}, "window_right_only": {"window_size": (-1, 40)},
                "window": {"window_size": (300, 40)}, "window_wider": {"window_size": (5000, 5000)},
-               "window_hides_nothing": {"window_size": (1099, 1099)},
-               "window_one_short": {"window_size": (1098, 1099)}}
+               "window_hides_nothing": None, "window_one_short": None}
+
+
+def _rule_mask_kwargs(mask, seqlen):
+    if mask == "window_hides_nothing":
+        return {"window_size": (seqlen - 1, seqlen - 1)}
+    if mask == "window_one_short":
+        return {"window_size": (seqlen - 2, seqlen - 1)}
+    return _RULE_MASKS[mask]
 _RULE_UNMASKED = ("none", "window_wider", "window_hides_nothing")
 
 
@@ -473,8 +480,9 @@ _RULE_UNMASKED = ("none", "window_wider", "window_hides_nothing")
 @pytest.mark.parametrize("mask", list(_RULE_MASKS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
-    """Below two waves of CTAs (12 query heads on 4 K/V heads, 1100 tokens: 9 key blocks, or 18 at head_dim 256, x 4 x
-    batch CTAs; "one": from 1 to 1.9 x the SMs, "near_two": from 1.9 to 2 x), the launcher's pick depends on the mask
+    """Below two waves of CTAs (12 query heads on 4 K/V heads, 1100 tokens: 9 key blocks, or 1344 tokens: 21 blocks at
+    head_dim 256 (with 1100 no batch lands in [1.9, 2) x 132 SMs), x 4 x batch CTAs; "one": from 1 to 1.9 x the SMs,
+    "near_two": from 1.9 to 2 x), the launcher's pick depends on the mask
     (flash/config.hpp bwd_heads_per_cta): one CTA per K/V head group without a mask (or a window that hides no key)
     at head_dim <= 128, and under a causal-like mask (causal, or a window with no left bound) at head_dim 64 from 1.9
     x the SMs; fp32 sums otherwise (a window with a left bound, head_dim 256). Read from the backward's peak memory against the group mode forced:
@@ -483,14 +491,14 @@ def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
     monkeypatch.delenv("FAH_BWD_GQA_GROUP_CTA", raising=False)
     dtype = _built_dtype(head_dim)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    seqlen, nheads, nheads_k = 1100, 12, 4
+    seqlen, nheads, nheads_k = (1100 if head_dim <= 128 else 1344), 12, 4
     blocks = -(-seqlen // (128 if head_dim <= 128 else 64))
     low, high = (sms, 1.9 * sms) if waves == "one" else (1.9 * sms, 2 * sms)
     batch = -(-int(low) // (blocks * nheads_k))
     ctas = blocks * nheads_k * batch
     if not low <= ctas < high:
         pytest.skip(f"no batch puts {blocks} x {nheads_k} x batch CTAs in [{low:g}, {high:g}) on {sms} SMs")
-    kwargs = _RULE_MASKS[mask]
+    kwargs = _rule_mask_kwargs(mask, seqlen)
     q = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
     k, v = (_randn(batch, seqlen, nheads_k, head_dim, dtype=dtype) for _ in range(2))
     dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)

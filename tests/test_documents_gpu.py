@@ -143,5 +143,11 @@ def test_documents_under_torch_compile():
     eager = step(*eager_leaves, ids)
     eager_grads = torch.autograd.grad(eager, eager_leaves, dout)
     assert torch.equal(out, eager)
-    for a, b in zip(grads, eager_grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=2e-2)  # dQ atomics add in a run-dependent order
+    # dK, dV: one CTA per key block sums them over the query blocks in registers, in one order (no GQA here), so they
+    # match bitwise; dQ's adds run in a run-dependent order, so each dQ is checked by the rule instead
+    for name, a, b in zip(("dk", "dv"), grads[1:], eager_grads[1:]):
+        assert torch.equal(a, b), name
+    ref_dq = attention_ref_grads(q, k, v, dout, causal=True, document_ids=ids)[0]
+    naive_dq = attention_ref_grads(q, k, v, dout, causal=True, document_ids=ids, upcast=False)[0]
+    assert_close_by_rule(grads[0], ref_dq, naive_dq, "compiled dq")
+    assert_close_by_rule(eager_grads[0], ref_dq, naive_dq, "eager dq")

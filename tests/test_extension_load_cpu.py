@@ -117,6 +117,32 @@ print("probed")
     assert "probed" in out
 
 
+def test_missing_extension_raises_runtime_error(tmp_path):
+    """A copy of the package without the compiled file (as a checkout before its build): attention and build_config
+    raise the RuntimeError that names the missing extension, once the device checks are passed by stand-ins so that
+    the call gets as far as the extension. In a fresh interpreter, so it runs wherever the real package is built
+    (before, the test skipped wherever the extension was loaded: in CI and on the GPU machine)."""
+    root = _copy_package(tmp_path, "fah_noext", with_library=False)
+    out = _run("""
+import re, torch
+import fah_noext
+from fah_noext import interface
+assert not fah_noext.EXTENSION_LOADED
+interface._check_devices = lambda named: None
+interface._check_sm90 = lambda name, device: None
+q, k, v = (torch.randn(2, 37, 4, 64).to(torch.float16) for _ in range(3))
+for name, call in (("attention", lambda: fah_noext.attention(q, k, v)), ("build_config", fah_noext.build_config)):
+    try:
+        call()
+    except RuntimeError as e:
+        assert re.search("flash_attn_hopper CUDA extension (is not built|could not be loaded)", str(e)), (name, str(e))
+    else:
+        raise AssertionError(name + " did not raise")
+print("raised")
+""", root)
+    assert "raised" in out
+
+
 _RELOAD = """
 import importlib
 import pytest, torch
