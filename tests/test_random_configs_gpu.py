@@ -1,0 +1,121 @@
+"""Seeded random configurations across the feature space, forward and backward, each checked by DESIGN.md §3's rule.
+
+The hand-written GPU tests cross features a few at a time; bug reports against attention kernels keep coming from
+combinations nobody wrote down (a window with GQA and a softcap in a varlen batch with an empty sequence, at a head
+dim between the kernel sizes). Each case draws, from its own seed (the test id names it, so a failure reruns alone):
+dtype; head_dim and head_dim_v (multiples of 8 up to 256, equal or not); MHA / GQA / MQA; a dense batch or a varlen
+batch with empty and one-token sequences and max_seqlen above the true maximum; lengths on and off the tile grid;
+causal, a sliding window (sides from 0 to wider than the sequences, -1 for unbounded) or neither; a softcap (with
+inputs scaled up so it bites); a softmax_scale; a loss that also uses the LSE; the deterministic backward. Out, LSE,
+dQ, dK and dV are checked by the rule against the float32 reference, with memory poisoned with NaN before each pass
+(gpu_helpers.run_attention; the varlen run likewise), and rows that see no key must be exactly 0 (varlen).
+
+Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py), and per case when the build lacks
+the head dims / dtype drawn."""
+
+import random
+
+import pytest
+import torch
+
+import flash_attn_hopper
+from gpu_helpers import (DTYPES, check_attention, check_attention_varlen, cu_seqlens, poison_allocator, randn,
+                         require_built, run_attention)
+
+pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
+
+N_CASES = 64
+HEAD_DIMS = [8, 16, 24, 40, 56, 64, 72, 80, 96, 104, 120, 128, 136, 160, 192, 200, 224, 248, 256]
+LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 200, 255, 257, 300, 383, 513, 700]
+
+
+def draw(seed):
+    """One configuration (a dict) from its seed; the same seed always gives the same case."""
+    rng = random.Random(seed)
+    c = {"dtype": rng.choice(DTYPES)}
+    c["head_dim"] = rng.choice(HEAD_DIMS)
+    c["head_dim_v"] = c["head_dim"] if rng.random() < 0.7 else rng.choice(HEAD_DIMS)
+    c["nheads_k"] = rng.choice([1, 2, 3])
+    c["nheads"] = c["nheads_k"] * rng.choice([1, 1, 2, 3, 4])
+    c["varlen"] = rng.random() < 0.35
+    if c["varlen"]:
+        n = rng.randint(1, 6)
+        c["lengths_q"] = [rng.choice([0] + LENGTHS) for _ in range(n)]
+        c["lengths_k"] = [rng.choice([0] + LENGTHS) for _ in range(n)]
+        c["extra_max"] = rng.choice([0, 0, 1, 100])  # max_seqlen larger than the true maximum is allowed
+    else:
+        c["batch"] = rng.randint(1, 3)
+        c["seqlen_q"], c["seqlen_k"] = rng.choice(LENGTHS), rng.choice(LENGTHS)
+    opts = {}
+    mask = rng.random()
+    if mask < 0.35:
+        opts["causal"] = True
+    elif mask < 0.65:
+        opts["window_size"] = (rng.choice([-1, 0, 1, 17, 64, 128, 300, 5000]), rng.choice([-1, 0, 3, 40, 129, 5000]))
+    if rng.random() < 0.25:
+        opts["softcap"] = rng.choice([5.0, 15.0, 30.0])
+        c["input_scale"] = 2.0
+    if rng.random() < 0.2:
+        opts["softmax_scale"] = rng.choice([0.05, 0.1, 0.3])
+    c["opts"] = opts
+    c["dlse"] = rng.random() < 0.3
+    c["deterministic"] = rng.random() < 0.2
+    return c
+
+
+def _describe(c):
+    shape = (f"varlen q{c['lengths_q']} k{c['lengths_k']}+{c['extra_max']}" if c["varlen"]
+             else f"b{c['batch']} {c['seqlen_q']}x{c['seqlen_k']}")
+    return (f"{str(c['dtype']).split('.')[-1]} d{c['head_dim']}/{c['head_dim_v']} h{c['nheads']}/{c['nheads_k']} "
+            f"{shape} {c['opts']} dlse={c['dlse']} det={c['deterministic']}")
+
+
+def test_draws_cover_the_features():
+    """The seeds reach every feature and both paths (so the cases below are not all alike)."""
+    cases = [draw(s) for s in range(N_CASES)]
+    assert any(c["varlen"] for c in cases) and not all(c["varlen"] for c in cases)
+    for key in ("causal", "window_size", "softcap", "softmax_scale"):
+        assert any(key in c["opts"] for c in cases), key
+    assert any(c["head_dim"] != c["head_dim_v"] for c in cases)
+    assert any(c["nheads"] != c["nheads_k"] for c in cases) and any(c["nheads_k"] == 1 for c in cases)
+    assert any(c["dlse"] for c in cases) and any(c["deterministic"] for c in cases)
+    assert any(c["varlen"] and 0 in c["lengths_q"] + c["lengths_k"] for c in cases)
+
+
+@pytest.mark.parametrize("seed", range(N_CASES))
+def test_random_configuration(seed):
+    """One drawn configuration (see the module docstring) forward and backward, by the rule."""
+    c = draw(seed)
+    name = f"seed {seed}: {_describe(c)}"
+    for head_dim in (c["head_dim"], c["head_dim_v"]):
+        require_built(head_dim, c["dtype"])
+    torch.manual_seed(seed)
+    dtype, d, dv, h, hk, opts = c["dtype"], c["head_dim"], c["head_dim_v"], c["nheads"], c["nheads_k"], c["opts"]
+    scale = c.get("input_scale", 1.0)
+    if c["varlen"]:
+        lq, lk = c["lengths_q"], c["lengths_k"]
+        q = (randn(sum(lq), h, d, dtype=dtype) * scale).to(dtype)
+        k = (randn(sum(lk), hk, d, dtype=dtype) * scale).to(dtype)
+        v = randn(sum(lk), hk, dv, dtype=dtype)
+        dout = randn(sum(lq), h, dv, dtype=dtype)
+        dlse = torch.randn(h, sum(lq), device="cuda") if c["dlse"] else None
+        cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        e = q.element_size()
+        poison_allocator(q.numel() * e, k.numel() * e, v.numel() * e, sum(lq) * h * 4)
+        out, lse = flash_attn_hopper.attention_varlen(
+            *leaves, cu_q, cu_k, max(lq) + c["extra_max"], max(lk) + c["extra_max"], return_lse=True,
+            deterministic=c["deterministic"], **opts)
+        poison_allocator(q.numel() * e, k.numel() * e, v.numel() * e)
+        outputs, grads_out = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
+        grads = torch.autograd.grad(outputs, leaves, grads_out)
+        check_attention_varlen(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, name, dlse=dlse, **opts)
+    else:
+        b, sq, sk = c["batch"], c["seqlen_q"], c["seqlen_k"]
+        q = (randn(b, sq, h, d, dtype=dtype) * scale).to(dtype)
+        k = (randn(b, sk, hk, d, dtype=dtype) * scale).to(dtype)
+        v = randn(b, sk, hk, dv, dtype=dtype)
+        dout = randn(b, sq, h, dv, dtype=dtype)
+        dlse = torch.randn(b, h, sq, device="cuda") if c["dlse"] else None
+        out, lse, grads = run_attention(q, k, v, dout, dlse=dlse, deterministic=c["deterministic"], **opts)
+        check_attention(out, lse, grads, q, k, v, dout, name, dlse=dlse, **opts)
