@@ -5,7 +5,8 @@ combinations nobody wrote down (a window with GQA and a softcap in a varlen batc
 dim between the kernel sizes). Each case draws, from its own seed (the test id names it, so a failure reruns alone):
 dtype; head_dim and head_dim_v (multiples of 8 up to 256, equal or not); MHA / GQA / MQA; a dense batch or a varlen
 batch with empty and one-token sequences and max_seqlen above the true maximum; lengths on and off the tile grid;
-causal, a sliding window (sides from 0 to wider than the sequences, -1 for unbounded) or neither; a softcap (with
+documents packed into the rows of a dense batch (one-token documents, ids that repeat non-adjacently); causal, a
+sliding window (sides from 0 to wider than the sequences, -1 for unbounded) or neither; a softcap (with
 inputs scaled up so it bites); a softmax_scale; a loss that also uses the LSE; the deterministic backward. Out, LSE,
 dQ, dK and dV are checked by the rule against the float32 reference, with memory poisoned with NaN before each pass
 (gpu_helpers.run_attention; the varlen run likewise), and rows that see no key must be exactly 0 (varlen).
@@ -24,9 +25,21 @@ from gpu_helpers import (DTYPES, check_attention, check_attention_varlen, cu_seq
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
+DEVICE = "cuda"  # (a CPU dry run of the cases sets it to "cpu", with CPU stand-ins of the ops)
+
 N_CASES = 64
 HEAD_DIMS = [8, 16, 24, 40, 56, 64, 72, 80, 96, 104, 120, 128, 136, 160, 192, 200, 224, 248, 256]
 LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 200, 255, 257, 300, 383, 513, 700]
+
+
+def _document_runs(rng, seqlen):
+    """Document ids of one row: runs of random lengths (one-token runs included), ids that repeat non-adjacently
+    (distinct documents all the same) and an int dtype's values."""
+    ids, doc = [], 0
+    while len(ids) < seqlen:
+        ids += [doc] * min(seqlen - len(ids), rng.choice([1, 5, 64, 100, 129, 300]))
+        doc = (doc + 1) % 3
+    return ids
 
 
 def draw(seed):
@@ -46,6 +59,9 @@ def draw(seed):
     else:
         c["batch"] = rng.randint(1, 3)
         c["seqlen_q"], c["seqlen_k"] = rng.choice(LENGTHS), rng.choice(LENGTHS)
+        if rng.random() < 0.2:  # documents packed into each row (self-attention: one length)
+            c["seqlen_k"] = c["seqlen_q"]
+            c["documents"] = [_document_runs(rng, c["seqlen_q"]) for _ in range(c["batch"])]
     opts = {}
     mask = rng.random()
     if mask < 0.35:
@@ -66,8 +82,19 @@ def draw(seed):
 def _describe(c):
     shape = (f"varlen q{c['lengths_q']} k{c['lengths_k']}+{c['extra_max']}" if c["varlen"]
              else f"b{c['batch']} {c['seqlen_q']}x{c['seqlen_k']}")
+    if "documents" in c:
+        shape += f" documents {[len(set(_runs(r))) for r in c['documents']]}"
     return (f"{str(c['dtype']).split('.')[-1]} d{c['head_dim']}/{c['head_dim_v']} h{c['nheads']}/{c['nheads_k']} "
             f"{shape} {c['opts']} dlse={c['dlse']} det={c['deterministic']}")
+
+
+def _runs(row):
+    """The run index of each position of a row of document ids."""
+    out, run = [], 0
+    for i, x in enumerate(row):
+        run += i > 0 and x != row[i - 1]
+        out.append(run)
+    return out
 
 
 def test_draws_cover_the_features():
@@ -80,6 +107,7 @@ def test_draws_cover_the_features():
     assert any(c["nheads"] != c["nheads_k"] for c in cases) and any(c["nheads_k"] == 1 for c in cases)
     assert any(c["dlse"] for c in cases) and any(c["deterministic"] for c in cases)
     assert any(c["varlen"] and 0 in c["lengths_q"] + c["lengths_k"] for c in cases)
+    assert any("documents" in c for c in cases)
 
 
 @pytest.mark.parametrize("seed", range(N_CASES))
@@ -98,7 +126,7 @@ def test_random_configuration(seed):
         k = (randn(sum(lk), hk, d, dtype=dtype) * scale).to(dtype)
         v = randn(sum(lk), hk, dv, dtype=dtype)
         dout = randn(sum(lq), h, dv, dtype=dtype)
-        dlse = torch.randn(h, sum(lq), device="cuda") if c["dlse"] else None
+        dlse = torch.randn(h, sum(lq), device=DEVICE) if c["dlse"] else None
         cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         e = q.element_size()
@@ -116,6 +144,8 @@ def test_random_configuration(seed):
         k = (randn(b, sk, hk, d, dtype=dtype) * scale).to(dtype)
         v = randn(b, sk, hk, dv, dtype=dtype)
         dout = randn(b, sq, h, dv, dtype=dtype)
-        dlse = torch.randn(b, h, sq, device="cuda") if c["dlse"] else None
+        dlse = torch.randn(b, h, sq, device=DEVICE) if c["dlse"] else None
+        if "documents" in c:
+            opts = dict(opts, document_ids=torch.tensor(c["documents"], dtype=torch.int32, device=DEVICE))
         out, lse, grads = run_attention(q, k, v, dout, dlse=dlse, deterministic=c["deterministic"], **opts)
         check_attention(out, lse, grads, q, k, v, dout, name, dlse=dlse, **opts)
