@@ -7,7 +7,8 @@ dtype; head_dim and head_dim_v (multiples of 8 up to 256, equal or not); MHA / G
 batch with empty and one-token sequences and max_seqlen above the true maximum; lengths on and off the tile grid;
 documents packed into the rows of a dense batch (one-token documents, ids that repeat non-adjacently); causal, a
 sliding window (sides from 0 to wider than the sequences, -1 for unbounded) or neither; a softcap (with
-inputs scaled up so it bites); a softmax_scale; a loss that also uses the LSE; the deterministic backward. Out, LSE,
+inputs scaled up so it bites); a softmax_scale; a loss that also uses the LSE; the deterministic backward; q, k, v
+contiguous, transposed views, or slices of one fused projection (NaN in the columns between them). Out, LSE,
 dQ, dK and dV are checked by the rule against the float32 reference, with memory poisoned with NaN before each pass
 (gpu_helpers.run_attention; the varlen run likewise), and rows that see no key must be exactly 0 (varlen).
 
@@ -76,7 +77,31 @@ def draw(seed):
     c["opts"] = opts
     c["dlse"] = rng.random() < 0.3
     c["deterministic"] = rng.random() < 0.2
+    # q, k, v as the caller's views: heads-major storage transposed, or slices of one fused projection
+    c["layout"] = rng.choice(["contiguous", "contiguous", "transposed", "fused"])
     return c
+
+
+def _layout(tensors, layout, head_axis):
+    """q, k, v (contiguous) as views of the drawn layout with the same values: "transposed" keeps each in storage with
+    the heads before the tokens; "fused" puts them in one tensor along the heads (d padded to the widest with NaN,
+    never to be read) and slices them out: all three where q has k's tokens, else k and v (q stays as it is)."""
+    if layout == "transposed":
+        return [t.transpose(head_axis - 1, head_axis).contiguous().transpose(head_axis - 1, head_axis) for t in tensors]
+    if layout == "fused" and tensors[0].shape[:head_axis] != tensors[1].shape[:head_axis]:
+        return [tensors[0], *_layout(tensors[1:], layout, head_axis)]
+    if layout == "fused":
+        width = max(t.shape[-1] for t in tensors)
+        padded = [torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=float("nan")) for t in tensors]
+        fused = torch.cat(padded, dim=head_axis)
+        out, start = [], 0
+        for t in tensors:
+            part = fused.narrow(head_axis, start, t.shape[head_axis])[..., : t.shape[-1]]
+            assert torch.equal(part, t)
+            out.append(part)
+            start += t.shape[head_axis]
+        return out
+    return list(tensors)
 
 
 def _describe(c):
@@ -85,7 +110,7 @@ def _describe(c):
     if "documents" in c:
         shape += f" documents {[len(set(_runs(r))) for r in c['documents']]}"
     return (f"{str(c['dtype']).split('.')[-1]} d{c['head_dim']}/{c['head_dim_v']} h{c['nheads']}/{c['nheads_k']} "
-            f"{shape} {c['opts']} dlse={c['dlse']} det={c['deterministic']}")
+            f"{shape} {c['opts']} dlse={c['dlse']} det={c['deterministic']} {c['layout']}")
 
 
 def _runs(row):
@@ -108,6 +133,7 @@ def test_draws_cover_the_features():
     assert any(c["dlse"] for c in cases) and any(c["deterministic"] for c in cases)
     assert any(c["varlen"] and 0 in c["lengths_q"] + c["lengths_k"] for c in cases)
     assert any("documents" in c for c in cases)
+    assert {c["layout"] for c in cases} == {"contiguous", "transposed", "fused"}
 
 
 @pytest.mark.parametrize("seed", range(N_CASES))
@@ -128,6 +154,7 @@ def test_random_configuration(seed):
         dout = randn(sum(lq), h, dv, dtype=dtype)
         dlse = torch.randn(h, sum(lq), device=DEVICE) if c["dlse"] else None
         cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+        q, k, v = _layout((q, k, v), c["layout"], head_axis=1)
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         e = q.element_size()
         poison_allocator(q.numel() * e, k.numel() * e, v.numel() * e, sum(lq) * h * 4)
@@ -145,6 +172,7 @@ def test_random_configuration(seed):
         v = randn(b, sk, hk, dv, dtype=dtype)
         dout = randn(b, sq, h, dv, dtype=dtype)
         dlse = torch.randn(b, h, sq, device=DEVICE) if c["dlse"] else None
+        q, k, v = _layout((q, k, v), c["layout"], head_axis=2)
         if "documents" in c:
             opts = dict(opts, document_ids=torch.tensor(c["documents"], dtype=torch.int32, device=DEVICE))
         out, lse, grads = run_attention(q, k, v, dout, dlse=dlse, deterministic=c["deterministic"], **opts)
