@@ -4,13 +4,14 @@
 # that scripts/device_check_parallel.sh (PREBUILT=NAME PACK=stem) and scripts/device_env_ab.sh read. A carried pack
 # saves the device build (~2 minutes of a 30-minute device budget) and lets one call A/B several builds.
 # Why a venv with torch 2.11.0: the device's torch (2.11.0+cu130); an extension built against another torch may not
-# load there. The .so needs GLIBC 2.32 at most when built on Debian 12 (checked below), so it loads on the device.
+# load there. Built on Debian 12 the .so needs GLIBC 2.32 at most (printed below), older than the device image's, so
+# it should load there (not yet tried on the device as of session 49).
 #   NAME=HEAD bash scripts/build_pack.sh
 #   NAME=WRDV PATCHES="a.patch b.patch" FAH_HDIMS=128 FAH_DTYPES=bf16 bash scripts/build_pack.sh
 # Environment: NAME (required), STEM (default: NAME in lower case), PATCHES (applied in order to a `git archive` of
 #   REV, default HEAD), VENV (default /tmp/v211: made with torch==2.11.0, ninja, setuptools, wheel, numpy and the
 #   CUTLASS wheel of .whl/ when missing), MAX_JOBS (default the core count), FAH_HDIMS / FAH_DTYPES (narrow builds).
-# Full build on the 2-core CPU machine: ~9 minutes; one head dim and dtype: ~3-5.
+# Full build on the 2-core CPU machine: ~9 minutes; head_dim 64 bf16 alone: under 2.
 set -euo pipefail
 : "${NAME:?NAME=build name}"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
