@@ -2,6 +2,7 @@
 
 import math
 import numbers
+import sys
 import warnings
 import weakref
 
@@ -198,6 +199,7 @@ def _check_scale(softmax_scale, head_dim):
         # int(): under torch.compile(dynamic=True) head_dim is symbolic; the kernels are per head_dim anyway, so the
         # graph specialises on it and the op gets a plain float scale.
         return 1.0 / math.sqrt(int(head_dim))
+    softmax_scale = _traced_numpy("softmax_scale", softmax_scale, "float")
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number (float or int) or None, got {type(softmax_scale).__name__}")
     softmax_scale = _as_float("softmax_scale", softmax_scale)
@@ -241,7 +243,31 @@ def _as_float(name, value):
         raise ValueError(f"{name} must be a float32-representable value, got one past float's range") from None
 
 
+def _traced_numpy(name, value, kind, symint=False):
+    """value, unless it is a numpy scalar argument under torch.compile (kind: "float", "int" or "bool", what the op
+    takes). Eager calls take numpy scalars (numbers.Real / numbers.Integral, numpy.bool_), but dynamo traces them as
+    0-d numpy arrays backed by a tensor whose value the trace does not have (also constants of the compiled code and
+    np.float64), which the checks refused as "got ndarray", naming neither numpy nor torch.compile: the same call
+    failed only when compiled. Where the op takes a SymInt (symint=True: max_seqlen) an integer one is converted (its
+    range becomes a runtime assertion of the graph, as for a maximum computed from data); the op's plain float / int /
+    bool arguments cannot take a value from data, so those are refused saying why and what to pass. (Under
+    torch.compile a 0-d numpy array cannot be told from a numpy scalar.)"""
+    np = sys.modules.get("numpy")
+    if np is None or not torch.compiler.is_compiling() or not isinstance(value, np.ndarray) or value.ndim != 0:
+        return value
+    if symint:
+        dtype = torch.as_tensor(value).dtype  # (dynamo has no ndarray.dtype attribute; the tensor's dtype it has)
+        if dtype != torch.bool and not dtype.is_floating_point and not dtype.is_complex:
+            return int(value)
+    raise TypeError(
+        f"{name} is a numpy scalar (or 0-d numpy array), which torch.compile traces as a tensor whose value is not "
+        f"known at trace time; pass a Python {kind} (convert it with {kind}(x) before the compiled code runs, e.g. when "
+        "the module is built)"
+    )
+
+
 def _check_bool(name, value):
+    value = _traced_numpy(name, value, "bool")
     if isinstance(value, bool):
         return value
     # numpy.bool_ (a scalar: shape ()), not an array, whose item() would take any one-element array as a bool
@@ -258,11 +284,13 @@ def _check_causal(causal):
 def _check_window(window_size, causal):
     """(left, right) ints >= -1 (-1: unbounded); causal fixes right at 0. Returns the pair the op takes."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+        raise TypeError(f"window_size must be a pair (left, right) of ints (-1: that side unbounded; (-1, -1): no "
+                        f"window), got {window_size!r}")
     sides = []
     for name, w in zip(("left", "right"), window_size):
+        w = _traced_numpy(f"window_size {name} side", w, "int")
         if isinstance(w, bool) or not isinstance(w, numbers.Integral):
-            raise TypeError(f"window_size {name} side must be an int, got {type(w).__name__}")
+            raise TypeError(f"window_size {name} side must be an int (-1: unbounded), got {type(w).__name__}")
         w = int(w)
         if w < -1:
             raise ValueError(f"window_size {name} side must be >= -1 (-1: unbounded), got {w}")
@@ -279,8 +307,9 @@ def _check_window(window_size, causal):
 
 
 def _check_softcap(softcap, softmax_scale):
+    softcap = _traced_numpy("softcap", softcap, "float")
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number (float or int), got {type(softcap).__name__}")
+        raise TypeError(f"softcap must be a real number (float or int), got {type(softcap).__name__} (0: off)")
     softcap = _as_float("softcap", softcap)
     # Comparisons, not math.isfinite: under torch.compile(dynamic=True) softcap may be a symbolic float (NaN fails
     # both tests).
@@ -358,7 +387,9 @@ def attention(
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16 (or one this build does not
             include), or the dtypes differ; softmax_scale or softcap is not a real number; causal, return_lse or
             deterministic is not a bool; window_size is not a pair of ints; document_ids is not an integer tensor;
-            q, k, v or document_ids is a nested tensor or not torch.strided (sparse).
+            q, k, v or document_ids is a nested tensor or not torch.strided (sparse); under torch.compile
+            (fullgraph) a numpy scalar as softmax_scale, softcap, a window side or a bool (dynamo traces it without a
+            value: pass a Python number; eager takes numpy scalars).
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); batch x nheads x
@@ -712,6 +743,7 @@ def _bounded_offsets(cu, rows):
 
 
 def _check_max_seqlen(name, value):
+    value = _traced_numpy(name, value, "int", symint=True)
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
     if torch.compiler.is_compiling():
@@ -838,7 +870,8 @@ def attention_varlen(
 
     Raises:
         TypeError: as ``attention``; cu_seqlens not tensors (or nested, or sparse, or a tensor subclass whose values
-            cannot be read on the host, such as a DTensor); max_seqlen not Python ints.
+            cannot be read on the host, such as a DTensor); max_seqlen not Python ints (numpy integers are taken,
+            also under torch.compile).
         ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D,
             not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
             below the longest sequence, negative, or 2^31 or more; more than 65535 sequences; sequences x nheads x
