@@ -5,7 +5,7 @@
 # saves the device build (~2 minutes of a 30-minute device budget) and lets one call A/B several builds.
 # Why a venv with torch 2.11.0: the device's torch (2.11.0+cu130); an extension built against another torch may not
 # load there. Built on Debian 12 the .so needs GLIBC 2.32 at most (printed below), older than the device image's, so
-# it should load there (not yet tried on the device as of session 49).
+# it loads there (session 50: WRDV's pack loaded on the device's Python 3.12 image and passed the GPU check).
 #   NAME=HEAD bash scripts/build_pack.sh
 #   NAME=WRDV PATCHES="a.patch b.patch" FAH_HDIMS=128 FAH_DTYPES=bf16 bash scripts/build_pack.sh
 # Environment: NAME (required), STEM (default: NAME in lower case), PATCHES (applied in order to a `git archive` of

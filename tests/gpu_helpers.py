@@ -66,8 +66,9 @@ def attention_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtyp
 
 def poison_attention_memory(q, v):
     """NaN into the caching allocator at the sizes the forward and backward allocate: out / dout-like (v's head dim),
-    dQ, dK/dV, LSE and the dQ accumulator (the kernel's padded width)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+    dQ, dK/dV, LSE and the dQ accumulator (the kernel's padded width). A packed varlen q (total_q, nheads, head_dim)
+    counts as one sequence of total_q rows."""
+    batch, seqlen_q, nheads, head_dim = q.shape if q.dim() == 4 else (1, *q.shape)
     e = q.element_size()
     rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
     poison_allocator(q.numel() * e, batch * seqlen_q * nheads * v.shape[-1] * e, v.numel() * e,
