@@ -64,15 +64,23 @@ def attention_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtyp
     return q, k, v, dout
 
 
-def poison_attention_memory(q, v):
+def poison_attention_memory(q, v, cu_seqlens_q=None):
     """NaN into the caching allocator at the sizes the forward and backward allocate: out / dout-like (v's head dim),
-    dQ, dK/dV, LSE and the dQ accumulator (the kernel's padded width). A packed varlen q (total_q, nheads, head_dim)
-    counts as one sequence of total_q rows."""
-    batch, seqlen_q, nheads, head_dim = q.shape if q.dim() == 4 else (1, *q.shape)
+    dQ, dK/dV, LSE and the backward's workspaces (the dQ accumulator at the kernel's padded width, LSE / D rows). A
+    packed varlen q (total_q, nheads, head_dim) takes its cu_seqlens_q: the workspaces then hold, per head, the rows
+    up to cu_seqlens_q[-1] plus a whole tile per sequence (the op's layout, csrc/api/flash_api.cpp)."""
     e = q.element_size()
-    rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
-    poison_allocator(q.numel() * e, batch * seqlen_q * nheads * v.shape[-1] * e, v.numel() * e,
-                     batch * nheads * seqlen_q * 4, rows * kernel_head_dim(max(head_dim, v.shape[-1]), backward=True) * 4, rows * 4)
+    if q.dim() == 4:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        tokens = batch * seqlen_q
+        rows = batch * nheads * (-(-seqlen_q // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
+    else:
+        tokens, nheads, head_dim = q.shape
+        nseq, seen = (1, tokens) if cu_seqlens_q is None else (len(cu_seqlens_q) - 1, int(cu_seqlens_q[-1]))
+        per_head = seen + nseq * BWD_SEQLEN_Q_ROUNDING
+        rows = nheads * (-(-per_head // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
+    poison_allocator(q.numel() * e, tokens * nheads * v.shape[-1] * e, v.numel() * e, tokens * nheads * 4,
+                     rows * kernel_head_dim(max(head_dim, v.shape[-1]), backward=True) * 4, rows * 4)
 
 
 def run_attention(q, k, v, dout, dlse=None, **opts):

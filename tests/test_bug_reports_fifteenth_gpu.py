@@ -71,7 +71,7 @@ def test_efficient_zero_output_gradients(api, zero):
             d_out = make(out.shape, dtype=out.dtype, device="cuda")
         else:
             dlse = make(lse.shape, dtype=lse.dtype, device="cuda")
-        poison_attention_memory(q, v)
+        poison_attention_memory(q, v, cu_q)
         grads = torch.autograd.grad((out, lse), leaves, (d_out, dlse))
         runs.append((out.detach(), lse.detach(), grads, d_out, dlse))
     for name, a, b in zip(("dq", "dk", "dv"), runs[0][2], runs[1][2]):
@@ -155,7 +155,7 @@ def test_lse_only_loss_under_checkpoint(api, use_reentrant):
     def run(wrapped):
         leaves = _leaves(q, k, v)
         out, lse = checkpoint(block, *leaves, use_reentrant=use_reentrant) if wrapped else block(*leaves)
-        poison_attention_memory(q, v)
+        poison_attention_memory(q, v, cu_q)
         torch.where(torch.isfinite(lse), lse, 0).sum().backward()
         return out.detach(), lse.detach(), tuple(t.grad for t in leaves)
 
