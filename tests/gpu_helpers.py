@@ -5,6 +5,8 @@ The checks raise AssertionError explicitly instead of using `assert`: pytest rew
 only, so under `python -O` / PYTHONOPTIMIZE the asserts of a helper module vanish and every test built on them passes
 whatever the kernels return (tests/bug_report_sources.md, class DS)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -52,6 +54,23 @@ def randn(*shape, dtype):
 
 BWD_SEQLEN_Q_ROUNDING = 128  # csrc/flash/config.hpp kBwdSeqlenQRounding
 GRAD_NAMES = ("dq", "dk", "dv")
+
+
+@contextlib.contextmanager
+def ambient_defaults(device=None, dtype=None):
+    """torch.set_default_device(device) and torch.set_default_dtype(dtype) for the block (None: that one left as it
+    is), restored after it."""
+    old_dtype = torch.get_default_dtype()
+    if device is not None:
+        torch.set_default_device(device)
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        if device is not None:
+            torch.set_default_device(None)
+        torch.set_default_dtype(old_dtype)
 
 
 def attention_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, head_dim_v=None):

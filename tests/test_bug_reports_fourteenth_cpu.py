@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from flash_attn_hopper import attention, attention_varlen, interface
 
 from cpu_stand_ins import STAND_INS, ops_on_cpu
+from gpu_helpers import ambient_defaults
 
 from optional_deps import requires_transformers
 
@@ -48,23 +49,6 @@ class _FactoryDevices(TorchFunctionMode):
             if isinstance(t, torch.Tensor):
                 self.devices.add(t.device.type)
         return out
-
-
-class _AmbientDefaults:
-    """torch.set_default_device(device) and torch.set_default_dtype(dtype) for the block, restored after it."""
-
-    def __init__(self, device, dtype=None):
-        self.device, self.dtype = device, dtype
-
-    def __enter__(self):
-        self.old_dtype = torch.get_default_dtype()
-        torch.set_default_device(self.device)
-        if self.dtype is not None:
-            torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc):
-        torch.set_default_device(None)
-        torch.set_default_dtype(self.old_dtype)
 
 
 # ------------------------------------------------------------------------------ DG: the integration's mask patterns
@@ -109,7 +93,7 @@ def test_mask_patterns_recognised_on_the_host_whatever_the_default_device(case, 
     else:
         assert fah_tf.flash_attn_hopper_mask(**kwargs) is None
     record = _FactoryDevices()
-    ambient = _AmbientDefaults("meta") if how == "set_default_device" else torch.device("meta")
+    ambient = ambient_defaults("meta") if how == "set_default_device" else torch.device("meta")
     with ambient, record:
         if error is not None:
             with pytest.raises(error, match="mask pattern"):
@@ -198,7 +182,7 @@ def test_library_tensors_follow_the_inputs_not_the_default_device(cpu_ops, case,
         cpu_ops.setattr(interface, "_capturing", lambda device: True)
     expected = _run(fn, tensors, dout)
     dtype = torch.float64 if ambient == "meta_float64" else torch.float16
-    with _AmbientDefaults("meta", dtype):
+    with ambient_defaults("meta", dtype):
         got = _run(fn, tensors, dout)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), expected, got):
         assert b.device.type == "cpu" and b.dtype == a.dtype, f"{case} {name}: {b.device} {b.dtype}"
@@ -244,7 +228,7 @@ def test_integration_tensors_follow_the_inputs_not_the_default_device(cpu_ops, c
     cpu_ops.setattr(fah_tf, "_UNPADDING", interface._ValueNotes())
     cpu_ops.setattr(interface, "_DOCUMENT_BOUNDS", interface._ValueNotes())
     cpu_ops.setattr(interface, "_CHECKED_CU_SEQLENS", interface._ValueNotes())
-    with _AmbientDefaults("meta"):
+    with ambient_defaults("meta"):
         got = run()
     for name, a, b in zip(("out", "dq", "dk", "dv"), expected, got):
         assert b.device.type == "cpu", f"{case} {name} on {b.device}"

@@ -49,6 +49,7 @@ import torch
 from flash_attn_hopper import attention, attention_varlen, testing
 
 from cpu_stand_ins import stand_ins
+from gpu_helpers import ambient_defaults
 
 np = pytest.importorskip("numpy")
 
@@ -293,12 +294,8 @@ def test_results_do_not_depend_on_the_default_dtype(cpu_ops, default):
         return out.detach(), lse.detach(), dq, out_v, lse_v
 
     expected = run()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(default)
-    try:
+    with ambient_defaults(dtype=default):
         got = run()
-    finally:
-        torch.set_default_dtype(previous)
     for name, a, b in zip(("out", "lse", "dq", "varlen out", "varlen lse"), expected, got):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {b.dtype} under the {default} default"
     assert got[1].dtype == got[4].dtype == torch.float32
@@ -310,12 +307,8 @@ def test_varlen_reference_lse_is_float32_under_a_float64_default():
     torch.manual_seed(0)
     q, k = torch.randn(24, 4, 64, dtype=torch.bfloat16), torch.randn(24, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([2, 5, 9, 20], dtype=torch.int32)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with ambient_defaults(dtype=torch.float64):
         out, lse = testing.attention_varlen_ref(q, k, k, cu, cu)
-    finally:
-        torch.set_default_dtype(previous)
     assert lse.dtype == torch.float32 and out.dtype == torch.float32, (out.dtype, lse.dtype)  # (the float32 reference)
     assert torch.isneginf(lse[:, :2]).all() and torch.isneginf(lse[:, 20:]).all() and torch.isfinite(lse[:, 2:20]).all()
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import flash_attn_hopper
-from gpu_helpers import built_dtype, check_attention_varlen, cu_seqlens, randn
+from gpu_helpers import ambient_defaults, built_dtype, check_attention_varlen, cu_seqlens, randn
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -155,12 +155,8 @@ def test_results_do_not_depend_on_the_default_dtype(api):
         return out.detach(), lse.detach(), *grads
 
     expected = run()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with ambient_defaults(dtype=torch.float64):
         got = run()
-    finally:
-        torch.set_default_dtype(previous)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), expected, got):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{api} {name}: {b.dtype}, not bitwise the float32 default's"
     assert got[1].dtype == torch.float32 and got[0].dtype == dtype
