@@ -43,7 +43,14 @@ def kernel_head_dim(head_dim, backward=False):
 
 def _check_strided(name, t):
     """Nested (jagged or strided) and sparse tensors are refused by name: the kernels read plain strided memory, and
-    such tensors otherwise fail deep inside torch with messages that name nothing."""
+    such tensors otherwise fail deep inside torch with messages that name nothing. A torch.masked.MaskedTensor is
+    refused too: the kernels would not apply its mask, and its dispatch failed naming only the op (with a warning)."""
+    masked = sys.modules.get("torch.masked.maskedtensor.core")  # (loaded by `import torch`; no import here)
+    if masked is not None and isinstance(t, masked.MaskedTensor):
+        raise TypeError(
+            f"{name} is a torch.masked.MaskedTensor; its mask would not be applied: pass a plain tensor and express "
+            "the mask with causal, window_size, document_ids or attention_varlen's cu_seqlens"
+        )
     if t.is_nested:
         raise TypeError(
             f"{name} is a nested tensor; pass a plain (torch.strided) tensor, e.g. pack variable-length sequences for "
@@ -387,9 +394,10 @@ def attention(
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16 (or one this build does not
             include), or the dtypes differ; softmax_scale or softcap is not a real number; causal, return_lse or
             deterministic is not a bool; window_size is not a pair of ints; document_ids is not an integer tensor;
-            q, k, v or document_ids is a nested tensor or not torch.strided (sparse); under torch.compile
-            (fullgraph) a numpy scalar as softmax_scale, softcap, a window side or a bool (dynamo traces it without a
-            value: pass a Python number; eager takes numpy scalars).
+            q, k, v or document_ids is a nested tensor or not torch.strided (sparse), or q, k or v a
+            torch.masked.MaskedTensor (its mask would not be applied); under torch.compile (fullgraph) a numpy scalar
+            as softmax_scale, softcap, a window side or a bool (dynamo traces it without a value: pass a Python
+            number; eager takes numpy scalars).
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in
             nheads_k, or nheads is not a multiple of nheads_k; seqlen_k differs between k and v; batch or nheads
             above 65535; seqlen_q or seqlen_k of 2^30 - 256 or more (varlen: total rows); batch x nheads x
