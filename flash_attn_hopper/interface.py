@@ -394,7 +394,7 @@ def attention(
         TypeError: q, k or v is not a tensor, has a dtype other than float16/bfloat16 (or one this build does not
             include), or the dtypes differ; softmax_scale or softcap is not a real number; causal, return_lse or
             deterministic is not a bool; window_size is not a pair of ints; document_ids is not an integer tensor;
-            q, k, v or document_ids is a nested tensor or not torch.strided (sparse), or q, k or v a
+            q, k, v or document_ids is a nested tensor, not torch.strided (sparse) or a
             torch.masked.MaskedTensor (its mask would not be applied); under torch.compile (fullgraph) a numpy scalar
             as softmax_scale, softcap, a window side or a bool (dynamo traces it without a value: pass a Python
             number; eager takes numpy scalars).

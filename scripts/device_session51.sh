@@ -50,8 +50,9 @@ print(f"geomean ROT/S51 {g:.4f} over {len(ratios)} points, tests rc {trc}", file
 print("ROT" if trc == 0 and g >= 1.0 else "S51")
 EOF
 )
+pick=${pick:-S51}  # no A/B record (cut by AB_S): the head
 echo "grid on $pick"
-cp -f .prebuilt/$pick/_C.abi3.so flash_attn_hopper/_C.abi3.so
+cp -f .prebuilt/$pick/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
 timeout ${GRID_S:-130} python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both --no-bar \
   --json "$OUT/grid_$pick.json" --summary "$OUT/grid_${pick}_summary.md" > "$OUT/grid.log" 2>&1
 echo "grid rc $?"

@@ -8,10 +8,11 @@ saying the mask would not be applied and how to express one, before any op runs.
 EC: a learnable temperature passed as softmax_scale (a 0-d tensor or nn.Parameter; Amshaker/unetr_plus_plus#80,
 pytorch/helion#969): float() of it would drop its gradient silently. No fault: refused by name (TypeError) in eager
 and in a compiled function (which falls back to eager and raises the same), and no op runs.
-ED: torch.compiler.allow_in_graph around a user's function calling attention / attention_varlen (what the graph-break message of FlashAttention 3
-told users to do, pytorch/pytorch#144540, Dao-AILab/flash-attention#1435): the function then runs under AOTAutograd's
-fake tensors, so no host read of cu_seqlens may be baked into the graph. No fault: the compiled calls equal eager's,
-and a second varlen call with other cu_seqlens values reuses the graph and follows the new values.
+ED: torch.compiler.allow_in_graph around a user's function calling attention / attention_varlen (what the graph-break
+message of FlashAttention 3 told users to do, pytorch/pytorch#144540, Dao-AILab/flash-attention#1435): the function
+then runs under AOTAutograd's fake tensors, so no host read of cu_seqlens may be baked into the graph. No fault: the
+compiled calls equal eager's, and a second varlen call with other cu_seqlens values reuses the graph and follows the
+new values.
 
 The ops run through the CPU stand-ins of tests/cpu_stand_ins.py.
 """
@@ -70,7 +71,8 @@ def test_masked_tensor_inputs_are_refused_by_name(cpu_ops, which):
     args[which] = _masked(args[which], keep_rows=9)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(TypeError, match=rf"^{which} is a torch\.masked\.MaskedTensor; its mask would not be applied"):
+        message = rf"^{which} is a torch\.masked\.MaskedTensor; its mask would not be applied"
+        with pytest.raises(TypeError, match=message):
             attention(args["q"], args["k"], args["v"], causal=True)
     assert cpu_stand_ins.CALLS == []
 
@@ -121,8 +123,8 @@ def test_learnable_temperature_is_refused_not_detached(cpu_ops, argument, kind):
 # ------------------------------------------------------------------------------------------------------ ED
 
 def test_allow_in_graph_dense_equals_eager(cpu_ops):
-    """ED: torch.compiler.allow_in_graph(attention) inside a fullgraph compile (aot_eager): out and dq bit for bit
-    eager's, packed documents included (their bounds computed in the graph)."""
+    """ED: torch.compiler.allow_in_graph around a caller of attention, in a fullgraph compile (aot_eager): out and
+    dq bit for bit eager's, packed documents included (their bounds computed in the graph)."""
     # (a wrapper of the user's, as the workaround is applied: allow_in_graph of the library function itself would
     # change how every later compiled call of it in this process is traced)
     wrapped = torch.compiler.allow_in_graph(lambda *args, **kwargs: attention(*args, **kwargs))
@@ -143,9 +145,9 @@ def test_allow_in_graph_dense_equals_eager(cpu_ops):
 
 
 def test_allow_in_graph_varlen_follows_new_cu_seqlens(cpu_ops):
-    """ED: allow_in_graph(attention_varlen), fullgraph: the first call equals eager; a second call with other
-    cu_seqlens values (same shapes, same maxima) runs the same graph (error_on_recompile) and equals eager on the new
-    values (a host read at trace time would have kept the first call's cut and boundaries)."""
+    """ED: allow_in_graph around a caller of attention_varlen, fullgraph: the first call equals eager; a second call
+    with other cu_seqlens values (same shapes, same maxima) runs the same graph (error_on_recompile) and equals eager
+    on the new values (a host read at trace time would have kept the first call's cut and boundaries)."""
     wrapped = torch.compiler.allow_in_graph(lambda *args, **kwargs: attention_varlen(*args, **kwargs))
     compiled = torch.compile(lambda q, k, v, cq, ck: wrapped(q, k, v, cq, ck, 20, 24, causal=True),
                              backend="aot_eager", fullgraph=True)

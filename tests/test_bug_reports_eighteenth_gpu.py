@@ -14,7 +14,7 @@ the head_dim / dtype."""
 import pytest
 import torch
 
-from flash_attn_hopper import attention, attention_varlen
+from flash_attn_hopper import attention, attention_varlen, interface
 from gpu_helpers import built_dtype, check_attention, check_attention_varlen, cu_seqlens, poison_allocator, randn
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
@@ -24,11 +24,12 @@ HEAD_DIM = 128
 
 # ------------------------------------------------------------------------------------------------------ EE
 
-def test_attention_on_an_external_stream_busy_writing_the_inputs():
+def test_attention_on_an_external_stream_busy_writing_the_inputs(monkeypatch):
     """EE: a raw stream handle (here from a torch.cuda.Stream, as another library would hand one over) wrapped with
     get_stream_from_external and made current; the stream sleeps, then copies the inputs; attention (documents,
-    causal, GQA) and attention_varlen (cu_seqlens checked by an earlier call, so no host read waits for the stream)
-    run forward and backward on it. Results right by the rule against the inputs."""
+    causal, GQA) and attention_varlen run forward and backward on it. The varlen cu_seqlens are checked by an earlier
+    call on the same stream (the check's cache is per stream), and the checked calls must not read them on the host
+    again: such a read would wait for the stream and hide a launch on the wrong one. Results right by the rule."""
     dtype = built_dtype(HEAD_DIM)
     q, dout = randn(2, 203, 4, HEAD_DIM, dtype=dtype), randn(2, 203, 4, HEAD_DIM, dtype=dtype)
     k, v = randn(2, 203, 2, HEAD_DIM, dtype=dtype), randn(2, 203, 2, HEAD_DIM, dtype=dtype)
@@ -37,7 +38,6 @@ def test_attention_on_an_external_stream_busy_writing_the_inputs():
     qv, doutv = randn(sum(lq), 4, HEAD_DIM, dtype=dtype), randn(sum(lq), 4, HEAD_DIM, dtype=dtype)
     kv, vv = randn(sum(lk), 2, HEAD_DIM, dtype=dtype), randn(sum(lk), 2, HEAD_DIM, dtype=dtype)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-    attention_varlen(qv, kv, vv, cu_q, cu_k, max(lq), max(lk), causal=True)  # the host check of these cu_seqlens
     sources = (q, k, v, dout, qv, kv, vv, doutv)
     stale = [torch.randn_like(t) for t in sources]
     torch.cuda.synchronize()
@@ -46,6 +46,9 @@ def test_attention_on_an_external_stream_busy_writing_the_inputs():
     assert external.cuda_stream == owner.cuda_stream != torch.cuda.current_stream().cuda_stream
     with torch.cuda.stream(external):
         poison_allocator(q.numel() * q.element_size(), qv.numel() * qv.element_size())  # synchronizes: before the sleep
+        attention_varlen(qv, kv, vv, cu_q, cu_k, max(lq), max(lk), causal=True)  # the host check, on this stream
+        torch.cuda.synchronize()
+        monkeypatch.setattr(interface, "_read_cu_seqlens", _no_host_read)
         torch.cuda._sleep(100_000_000)  # keeps the stream busy for tens of ms
         for dst, src in zip(stale, sources):
             dst.copy_(src)
@@ -62,6 +65,10 @@ def test_attention_on_an_external_stream_busy_writing_the_inputs():
                     document_ids=ids)
     check_attention_varlen(outv.detach(), lsev.detach(), gradsv, qv, kv, vv, doutv, cu_q, cu_k,
                            "external stream varlen", causal=True)
+
+
+def _no_host_read(name, cu):
+    raise AssertionError(f"{name} read on the host again: the read waits for the busy stream")
 
 
 def _leaves_in_place(tensors):

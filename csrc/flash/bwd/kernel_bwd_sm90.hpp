@@ -807,10 +807,10 @@ CUTLASS_DEVICE void bwd_consumer_swapped(typename Traits::Params const& params, 
         // then no longer overlap dK, we think.
         Tensor tdSrdS = make_tensor(tdKrdS.data(), tdPrdP.layout());  // accumulator view of the same registers
         copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_buf));
-        // dV reads no dS, so it is issued before the proxy fence, which waits for the dS stores to land. H100,
+        // dV reads no dS, so it is issued before the proxy fence, which may stall until the dS stores land. H100,
         // 2026-12-05 (session 51, bf16, 8 rounds, medians): head_dim 128 non-causal 16384 +7 % (its samples are
-        // bimodal; this order sat in the fast mode 7 rounds of 8, the old one 2), causal 16384 +2 %, the other
-        // head_dim 64 / 128 points at 4096 / 16384 within +-0.7 %.
+        // bimodal; this order sat in the fast mode 6 rounds of 8, the old one 3: weak evidence), causal 16384 +2 %,
+        // the other head_dim 64 / 128 points at 4096 / 16384 within +-0.7 %.
         wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrP, tdVrdOt(_, _, _, stage), tdVrdV);
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores -> WGMMA (async proxy) reads
         consumers_sync();
