@@ -14,8 +14,13 @@ def causal_mask(seqlen_q, seqlen_k, device=None):
 def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=None):
     """Boolean (seqlen_q, seqlen_k), True where query i may see key j under DESIGN.md §2's window rule:
     ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``, -1 leaving a side unbounded;
-    causal sets right = 0."""
+    causal sets right = 0. Raises ValueError for what ``attention`` refuses (a side below -1; causal with a right
+    side above 0), so that a reference is never computed under a rule the kernels do not have."""
     left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size sides must be >= -1 (-1: unbounded), got {tuple(window_size)}")
+    if causal and right > 0:
+        raise ValueError(f"causal=True means a window right side of 0 (or -1), got window_size {tuple(window_size)}")
     if causal:
         right = 0
     i = torch.arange(seqlen_q, device=device).unsqueeze(1)

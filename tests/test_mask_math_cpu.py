@@ -511,3 +511,11 @@ def test_one_sided_transposed_mask_matches_the_two_sided_rule(block_m, block_n, 
             one_compare += int(one.sum())
     if window[1] >= 0:  # a causal or right limit: some keys' rows start inside a block
         assert one_compare > 0
+
+
+@pytest.mark.parametrize("window,causal", [((-2, 0), False), ((0, -5), False), ((2, 3), True)])
+def test_reference_mask_refuses_what_attention_refuses(window, causal):
+    """The reference's mask must not compute a result under a rule the kernels do not have (a new-user trial found
+    window (-5, 0) accepted and causal with right side 3 silently read as 0)."""
+    with pytest.raises(ValueError, match="window"):
+        local_mask(8, 8, window, causal)
