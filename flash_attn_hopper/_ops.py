@@ -148,13 +148,35 @@ def _register_python_kernels():
     @register_fake("flash_attn_hopper::fwd_varlen")
     def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
         _check_fake_inputs(3, q, k, v, *args[:5])
+        _check_fake_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         total_q, nheads, _ = q.shape
         return q.new_empty((total_q, nheads, v.shape[-1])), q.new_empty((nheads, total_q), dtype=torch.float32)
 
     @register_fake("flash_attn_hopper::bwd_varlen")
     def _bwd_varlen_fake(dout, q, k, v, out, lse, dlse, *args):
         _check_fake_inputs(3, q, k, v, *args[4:9], out, dout, lse)
+        _check_fake_varlen(q, *args[:4])
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _check_fake_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The varlen ops' own checks (csrc/api/flash_api.cpp: check_varlen), with their messages, for the fake kernels
+    (a direct op call on meta tensors accepted float32 or 2-D cu_seqlens and a negative max_seqlen). Values without a
+    known size (symbolic under torch.compile) are left to the real op."""
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        ok = t.dtype == torch.int32 and t.device == q.device and t.dim() == 1
+        if ok and isinstance(t.numel(), int) and isinstance(t.stride(0), int):
+            ok = t.numel() >= 1 and (t.numel() == 1 or t.stride(0) == 1)
+        if not ok:
+            raise RuntimeError(f"{name} must be a contiguous 1-D int32 tensor of length batch + 1 on q's device")
+    lengths = (cu_seqlens_q.numel(), cu_seqlens_k.numel())
+    if all(isinstance(n, int) for n in lengths) and lengths[0] != lengths[1]:
+        raise RuntimeError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    if isinstance(lengths[0], int) and lengths[0] - 1 > 65535:
+        raise RuntimeError("at most 65535 sequences")
+    maxima = (max_seqlen_q, max_seqlen_k)
+    if all(isinstance(m, int) for m in maxima) and not all(0 <= m < 2**31 for m in maxima):
+        raise RuntimeError("max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
 
 
 def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window_right, softcap, out=None, dout=None,

@@ -121,6 +121,37 @@ def test_varlen_ops_on_meta_raise_the_ops_error(case):
         ops.bwd_varlen(q, q, k, v, q, lse, None, cu, cu, 20, 20, scale, False, -1, right, softcap, False)
 
 
+_CU = "must be a contiguous 1-D int32 tensor of length batch + 1 on q's device"
+
+
+@needs_ops
+@pytest.mark.parametrize("case", [
+    ("float32_cu_q", dict(cu_q=torch.zeros(3, device="meta")), "cu_seqlens_q " + _CU),
+    ("int64_cu_k", dict(cu_k=torch.zeros(3, dtype=torch.int64, device="meta")), "cu_seqlens_k " + _CU),
+    ("2d_cu_q", dict(cu_q=torch.zeros(1, 3, dtype=torch.int32, device="meta")), "cu_seqlens_q " + _CU),
+    ("empty_cu_k", dict(cu_k=torch.zeros(0, dtype=torch.int32, device="meta")), "cu_seqlens_k " + _CU),
+    ("strided_cu_q", dict(cu_q=torch.zeros(6, dtype=torch.int32, device="meta")[::2]), "cu_seqlens_q " + _CU),
+    ("cpu_cu_q", dict(cu_q=torch.zeros(3, dtype=torch.int32)), "cu_seqlens_q " + _CU),
+    ("lengths_differ", dict(cu_k=torch.zeros(4, dtype=torch.int32, device="meta")),
+     "cu_seqlens_q and cu_seqlens_k must have the same length"),
+    ("negative_max", dict(max_q=-5), "max_seqlen_q and max_seqlen_k must be in [0, 2^31)"),
+    ("max_past_int32", dict(max_k=2**31), "max_seqlen_q and max_seqlen_k must be in [0, 2^31)"),
+], ids=lambda c: c[0] if isinstance(c, tuple) else None)
+def test_varlen_ops_on_meta_check_cu_seqlens_and_maxima(case):
+    """As the C++ varlen ops' check_varlen (a new-user trial found the fake kernels accepting float32 and 2-D
+    cu_seqlens, lengths that differ and a negative max_seqlen)."""
+    _, bad, message = case
+    q, k, v = _meta(40, 4, 64), _meta(40, 4, 64), _meta(40, 4, 64)
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    cu_q, cu_k = bad.get("cu_q", cu), bad.get("cu_k", cu)
+    max_q, max_k = bad.get("max_q", 20), bad.get("max_k", 20)
+    with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+        ops.fwd_varlen(q, k, v, cu_q, cu_k, max_q, max_k, 0.1, False, -1, -1, 0.0, False)
+    lse = _meta(4, 40, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+        ops.bwd_varlen(q, q, k, v, q, lse, None, cu_q, cu_k, max_q, max_k, 0.1, False, -1, -1, 0.0, False)
+
+
 @needs_ops
 def test_bwd_on_meta_checks_lse_and_out():
     q, k, v = _dense()
