@@ -88,7 +88,10 @@ def _int_list(text):
     values = []
     for part in text.replace(" ", ",").split(","):
         if part.strip():
-            values.append(int(part))
+            try:
+                values.append(int(part))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected a comma-separated list of integers")
     return values
@@ -164,7 +167,8 @@ def parse_args(argv=None):
     g.add_argument(
         "--no-adjacent",
         action="store_true",
-        help="skip the dense references timed beside each feature point (see feature_reference_specs)",
+        help="skip the dense references timed beside each feature point (the same mask and seqlen; for windows also "
+        "the dense seqlens of equal work)",
     )
     o = p.add_argument_group("output and regression gate")
     o.add_argument(
