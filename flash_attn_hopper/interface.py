@@ -44,12 +44,22 @@ def kernel_head_dim(head_dim, backward=False):
 def _check_strided(name, t):
     """Nested (jagged or strided) and sparse tensors are refused by name: the kernels read plain strided memory, and
     such tensors otherwise fail deep inside torch with messages that name nothing. A torch.masked.MaskedTensor is
-    refused too: the kernels would not apply its mask, and its dispatch failed naming only the op (with a warning)."""
+    refused too: the kernels would not apply its mask, and its dispatch failed naming only the op (with a warning).
+    So is a DTensor: the ops have no sharding rule."""
     masked = sys.modules.get("torch.masked.maskedtensor.core")  # (loaded by `import torch`; no import here)
     if masked is not None and isinstance(t, masked.MaskedTensor):
         raise TypeError(
             f"{name} is a torch.masked.MaskedTensor; its mask would not be applied: pass a plain tensor and express "
             "the mask with causal, window_size, document_ids or attention_varlen's cu_seqlens"
+        )
+    # A DTensor (tensor parallelism, distribute_module) reached the op's dispatch, which failed with "Operator
+    # flash_attn_hopper.fwd.default does not have a sharding strategy registered", naming neither argument nor remedy.
+    dtensor = sys.modules.get("torch.distributed.tensor._api")  # (loaded only where DTensors exist; no import here)
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        raise TypeError(
+            f"{name} is a DTensor (placements {tuple(t.placements)}); the library's ops have no sharding rule: pass "
+            f"plain tensors, {name}.to_local() where each rank's attention needs only its own shard (e.g. heads "
+            f"sharded for tensor parallelism), else {name}.full_tensor()"
         )
     if t.is_nested:
         raise TypeError(
@@ -395,7 +405,8 @@ def attention(
             include), or the dtypes differ; softmax_scale or softcap is not a real number; causal, return_lse or
             deterministic is not a bool; window_size is not a pair of ints; document_ids is not an integer tensor;
             q, k, v or document_ids is a nested tensor, not torch.strided (sparse) or a
-            torch.masked.MaskedTensor (its mask would not be applied); under torch.compile (fullgraph) a numpy scalar
+            torch.masked.MaskedTensor (its mask would not be applied) or a DTensor (the ops have no sharding rule:
+            pass local or full tensors); under torch.compile (fullgraph) a numpy scalar
             as softmax_scale, softcap, a window side or a bool (dynamo traces it without a value: pass a Python
             number; eager takes numpy scalars).
         ValueError: rank is not 4; batch differs between q, k, v, or head_dim between q and k; k and v differ in

@@ -1,9 +1,66 @@
 """Reference attention (forward, and backward by autograd and from its equations) and the comparison rule of
-DESIGN.md §3, used by the tests and the benchmark."""
+DESIGN.md §3, used by the tests and the benchmark.
 
+Every reference runs in its own numeric mode, whatever the caller's: autocast off and float32 matrix products in full
+float32 (_reference_mode), so that the float32 reference stays one and the naive one stays in the input dtype; the
+gradient references also run under torch.inference_mode() and with inference tensors (_grad_leaf)."""
+
+import contextlib
+import functools
 import math
 
 import torch
+
+# The matmul backends whose float32 precision torch.set_float32_matmul_precision("high" / "medium") lowers: cuBLAS
+# (TF32) and oneDNN on CPUs with bf16 / AMX units (TF32 or bf16).
+_MATMUL_BACKENDS = ("cuda", "mkldnn")
+
+
+@contextlib.contextmanager
+def _reference_mode(device_type):
+    """Autocast off for `device_type` (it ran the products in fp16 / bf16 and the softmax in fp32, so the float32
+    reference was no longer float32 and the naive one no longer in the input dtype) and full float32 matmuls (TF32
+    left a float32 reference with a 10-bit mantissa). torch.set_float32_matmul_precision("highest") sets the legacy
+    setting and every backend's together (setting one backend alone left the legacy one disagreeing, which PyTorch
+    refuses to read: "mix of the legacy and new APIs"); afterwards both are put back as the caller had them (the
+    legacy one first, as it rewrites the backends'). Process-wide settings: a matmul on another thread meanwhile also
+    runs in full float32."""
+    backends = [getattr(torch.backends, name).matmul for name in _MATMUL_BACKENDS]
+    saved = [b.fp32_precision for b in backends]
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the caller mixed the two APIs: only the backends' settings can be read back
+        legacy = None
+    # (a device type without autocast, e.g. meta, has none to turn off: torch.autocast refuses it)
+    no_autocast = (torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type)
+                   else contextlib.nullcontext())
+    try:
+        torch.set_float32_matmul_precision("highest")
+        with no_autocast:
+            yield
+    finally:
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        for b, old in zip(backends, saved):
+            b.fp32_precision = old
+
+
+def _in_reference_mode(fn):
+    """Runs fn (first argument q) in _reference_mode for q's device type."""
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        with _reference_mode(q.device.type):
+            return fn(q, *args, **kwargs)
+    return wrapper
+
+
+def _grad_leaf(t, dtype):
+    """A leaf copy of t in dtype that requires grad: an inference tensor (made under torch.inference_mode(), e.g. a KV
+    cache) cannot take requires_grad outside that mode, so it is cloned into a normal one."""
+    leaf = t.detach().to(dtype)
+    if leaf.is_inference():
+        leaf = leaf.clone()
+    return leaf.requires_grad_(True)
 
 
 def causal_mask(seqlen_q, seqlen_k, device=None):
@@ -62,6 +119,7 @@ def repeat_kv(k, nheads):
     return k if nheads_k == nheads else k.repeat_interleave(nheads // nheads_k, dim=2)
 
 
+@_in_reference_mode
 def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0,
                   document_ids=None):
     """Plain attention in the layout of flash_attn_hopper.attention.
@@ -136,6 +194,7 @@ def assert_close_by_rule(out, ref, ref_naive, name, floor=None):
     return err, base
 
 
+@_in_reference_mode
 def attention_ref_grads(
     q, k, v, dout, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0, dlse=None,
     document_ids=None,
@@ -150,8 +209,9 @@ def attention_ref_grads(
     output gradients (rows with LSE -inf take none: they have no scores to pass it to).
     """
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    leaves = [t.detach().to(compute).requires_grad_(True) for t in (q, k, v)]
-    with torch.enable_grad():
+    # (under torch.inference_mode() enable_grad alone records nothing: "element 0 of tensors does not require grad")
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = [_grad_leaf(t, compute) for t in (q, k, v)]
         out, lse = attention_ref(
             *leaves, softmax_scale=softmax_scale, causal=causal, upcast=upcast, window_size=window_size, softcap=softcap,
             document_ids=document_ids,
@@ -164,6 +224,7 @@ def attention_ref_grads(
     return dq, dk, dv
 
 
+@_in_reference_mode
 def attention_bwd_ref(
     q, k, v, dout, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1), softcap=0.0, dlse=None
 ):
@@ -218,6 +279,7 @@ def attention_bwd_ref(
     return dq, dk, dv
 
 
+@_in_reference_mode
 def attention_varlen_ref(
     q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, upcast=True, window_size=(-1, -1),
     softcap=0.0,
@@ -248,12 +310,13 @@ def attention_varlen_ref(
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
+@_in_reference_mode
 def attention_varlen_ref_grads(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, upcast=True, dlse=None, **kwargs):
     """(dq, dk, dv) of ``attention_varlen_ref`` by autograd for output gradient dout (and LSE gradient dlse, as in
     ``attention_ref_grads``); kwargs as ``attention_varlen_ref``."""
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    leaves = [t.detach().to(compute).requires_grad_(True) for t in (q, k, v)]
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():  # (as attention_ref_grads)
+        leaves = [_grad_leaf(t, compute) for t in (q, k, v)]
         out, lse = attention_varlen_ref(*leaves, cu_seqlens_q, cu_seqlens_k, upcast=upcast, **kwargs)
         outputs, grads = [out], [dout.to(out.dtype)]
         if dlse is not None:
