@@ -18,10 +18,12 @@ timeout ${TEST_S:-90} python3 -m pytest -q -p no:cacheprovider tests/test_bug_re
   > "$OUT/tests_new_rounds.log" 2>&1
 echo "new rounds' tests rc $?"; tail -3 "$OUT/tests_new_rounds.log"
 
-# 2. GQA causal backward: group CTAs (the rule's choice at these shapes) against fp32 sums, 16 query heads on 4
-CASES="S51;S51 FAH_BWD_GQA_GROUP_CTA=0" DIRECTION=bwd ROUNDS=2 TAG=gqa OUT=$OUT BENCH_TIMEOUT=60 \
+# 2. GQA causal backward, 16 query heads on 4: group CTAs in one longest-first order (the rule's choice at these
+# shapes) against the group CTAs in L2 sections and against fp32 sums
+CASES="S51;S51 FAH_BWD_GQA_GLOBAL_ORDER=0;S51 FAH_BWD_GQA_GROUP_CTA=0" DIRECTION=bwd ROUNDS=2 TAG=gqa OUT=$OUT \
+  BENCH_TIMEOUT=60 \
   BENCH="--head-dims 128 --causal both --features gqa --seqlens 1024,4096 --no-check --no-adjacent" \
-  timeout ${GQA_S:-80} bash scripts/device_env_ab.sh > "$OUT/ab_gqa.txt" 2>&1
+  timeout ${GQA_S:-100} bash scripts/device_env_ab.sh > "$OUT/ab_gqa.txt" 2>&1
 echo "gqa a/b rc $?"
 
 # 3. The rotated query-block walk at head_dim 128 (bwd_rotated_m_walk_hdim128_UNRUN.patch)
