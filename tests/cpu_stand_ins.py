@@ -130,3 +130,19 @@ def stand_ins(monkeypatch, needs="its op schemas and autograd node"):
     CALLS.clear()
     with ops_on_cpu(monkeypatch, STAND_INS, needs):
         yield
+
+
+def dense_inputs(dtype=torch.bfloat16, seqlen=17, nheads_k=2):
+    """Seeded CPU inputs for the stand-ins: q (2, seqlen, 4, 64), k and v (2, seqlen, nheads_k, 64)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, seqlen, 4, 64, dtype=dtype)
+    k = torch.randn(2, seqlen, nheads_k, 64, dtype=dtype)
+    return q, k, torch.randn_like(k)
+
+
+def varlen_inputs(total_q=30, total_k=34):
+    """Seeded packed CPU inputs: q (total_q, 4, 64), k and v (total_k, 2, 64), bf16."""
+    torch.manual_seed(1)
+    q = torch.randn(total_q, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(total_k, 2, 64, dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)

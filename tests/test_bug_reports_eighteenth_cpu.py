@@ -25,7 +25,7 @@ import torch
 from flash_attn_hopper import attention, attention_varlen
 
 import cpu_stand_ins
-from cpu_stand_ins import stand_ins
+from cpu_stand_ins import dense_inputs as _dense, stand_ins, varlen_inputs as _varlen
 
 
 @pytest.fixture
@@ -33,20 +33,6 @@ def cpu_ops(monkeypatch):
     with stand_ins(monkeypatch):
         yield
     torch._dynamo.reset()
-
-
-def _dense(dtype=torch.bfloat16, seqlen=17):
-    torch.manual_seed(0)
-    q = torch.randn(2, seqlen, 4, 64, dtype=dtype)
-    k = torch.randn(2, seqlen, 2, 64, dtype=dtype)
-    return q, k, torch.randn_like(k)
-
-
-def _varlen(total_q=30, total_k=34):
-    torch.manual_seed(1)
-    q = torch.randn(total_q, 4, 64, dtype=torch.bfloat16)
-    k = torch.randn(total_k, 2, 64, dtype=torch.bfloat16)
-    return q, k, torch.randn_like(k)
 
 
 # ------------------------------------------------------------------------------------------------------ EB
