@@ -888,9 +888,9 @@ def attention_varlen(
         ``cu_seqlens_k[-1]``) are 0. ``out`` and ``lse`` are differentiable with respect to q, k, v.
 
     Raises:
-        TypeError: as ``attention``; cu_seqlens not tensors (or nested, or sparse, or a tensor subclass whose values
-            cannot be read on the host, such as a DTensor); max_seqlen not Python ints (numpy integers are taken,
-            also under torch.compile).
+        TypeError: as ``attention``; cu_seqlens not tensors (or nested, sparse, a MaskedTensor or a DTensor, or
+            another tensor subclass whose values cannot be read on the host); max_seqlen not Python ints (numpy
+            integers are taken, also under torch.compile).
         ValueError: as ``attention`` (with rank 3 instead of 4); cu_seqlens not int32, not on q's device, not 1-D,
             not contiguous, of different lengths, negative, decreasing, or ending past the tensor's rows; max_seqlen
             below the longest sequence, negative, or 2^31 or more; more than 65535 sequences; sequences x nheads x

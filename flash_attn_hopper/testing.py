@@ -8,8 +8,11 @@ gradient references also run under torch.inference_mode() and with inference ten
 import contextlib
 import functools
 import math
+import threading
 
 import torch
+
+from .interface import _check_window
 
 # The matmul backends whose float32 precision torch.set_float32_matmul_precision("high" / "medium") lowers: cuBLAS
 # (TF32) and oneDNN on CPUs with bf16 / AMX units (TF32 or bf16).
@@ -45,12 +48,22 @@ def _reference_mode(device_type):
             b.fp32_precision = old
 
 
+_in_mode = threading.local()
+
+
 def _in_reference_mode(fn):
-    """Runs fn (first argument q) in _reference_mode for q's device type."""
+    """Runs fn (first argument q) in _reference_mode for q's device type; a reference called by another (the gradient
+    references, the varlen one per sequence) runs in the caller's mode instead of entering it again."""
     @functools.wraps(fn)
     def wrapper(q, *args, **kwargs):
-        with _reference_mode(q.device.type):
+        if getattr(_in_mode, "active", False):
             return fn(q, *args, **kwargs)
+        _in_mode.active = True
+        try:
+            with _reference_mode(q.device.type):
+                return fn(q, *args, **kwargs)
+        finally:
+            _in_mode.active = False
     return wrapper
 
 
@@ -71,15 +84,10 @@ def causal_mask(seqlen_q, seqlen_k, device=None):
 def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=None):
     """Boolean (seqlen_q, seqlen_k), True where query i may see key j under DESIGN.md §2's window rule:
     ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``, -1 leaving a side unbounded;
-    causal sets right = 0. Raises ValueError for what ``attention`` refuses (a side below -1; causal with a right
-    side above 0), so that a reference is never computed under a rule the kernels do not have."""
-    left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size sides must be >= -1 (-1: unbounded), got {tuple(window_size)}")
-    if causal and right > 0:
-        raise ValueError(f"causal=True means a window right side of 0 (or -1), got window_size {tuple(window_size)}")
-    if causal:
-        right = 0
+    causal sets right = 0. Raises as ``attention`` does (interface._check_window: TypeError for a side that is not an
+    int, ValueError for one below -1 or causal with a right side above 0), so that a reference is never computed
+    under a rule the kernels do not have."""
+    left, right = _check_window(window_size, causal)
     i = torch.arange(seqlen_q, device=device).unsqueeze(1)
     j = torch.arange(seqlen_k, device=device).unsqueeze(0)
     diag = i + (seqlen_k - seqlen_q)

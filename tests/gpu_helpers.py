@@ -60,7 +60,7 @@ GRAD_NAMES = ("dq", "dk", "dv")
 def ambient_defaults(device=None, dtype=None):
     """torch.set_default_device(device) and torch.set_default_dtype(dtype) for the block (None: that one left as it
     is), restored after it."""
-    old_dtype = torch.get_default_dtype()
+    old_dtype, old_device = torch.get_default_dtype(), torch.get_default_device()
     if device is not None:
         torch.set_default_device(device)
     if dtype is not None:
@@ -69,7 +69,8 @@ def ambient_defaults(device=None, dtype=None):
         yield
     finally:
         if device is not None:
-            torch.set_default_device(None)
+            # (cpu: the unset state, not a device mode pushed for every factory call)
+            torch.set_default_device(None if old_device.type == "cpu" else old_device)
         torch.set_default_dtype(old_dtype)
 
 
