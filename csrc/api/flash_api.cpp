@@ -547,6 +547,7 @@ void launch_bwd(BwdFn run, at::Tensor const& dout_in, at::Tensor const& q_in, at
   p.dk_accum_ptr = sums ? dk_accum.data_ptr<float>() : nullptr;
   p.dv_accum_ptr = sums ? dv_accum.data_ptr<float>() : nullptr;
   p.heads_per_cta = heads_per_cta;
+  p.num_sms = num_sms(q);
   p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
   p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);

@@ -74,6 +74,8 @@ struct BwdParams {
   // Query heads per backward CTA: 1, or (GQA, dk_accum_ptr null) the whole group, which then writes dk/dv (nheads_k
   // heads) directly (flash/config.hpp bwd_heads_per_cta).
   int heads_per_cta = 1;
+  // The GPU's SM count: the group CTAs' sections of one wave (launch_bwd_sm90.hpp bwd_gqa_order); 0 gives L2 sections.
+  int num_sms = 0;
 
   // Workspace, per (batch, head) of seqlen_q_rounded rows (seqlen_q rounded up to kBwdSeqlenQRounding = 128; varlen:
   // per head, each sequence in whole tiles, flash/common/seqlen.hpp bwd_workspace_row):

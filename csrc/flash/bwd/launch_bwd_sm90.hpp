@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include <cuda_runtime.h>
@@ -35,21 +36,30 @@ inline int bwd_section_mib() {
   return value;
 }
 
-// GQA group CTAs (heads_per_cta > 1) under a causal-like mask: one section for every pair, so that key block n of all
-// pairs starts before key block n + 1 of any (longest first over the whole grid). A group CTA runs heads_per_cta
-// times the query blocks of a per-head one, and in 24 MiB sections (often one pair, whose Q, dO and dQ rows are
-// heads_per_cta times larger) the next section's long CTAs wait behind this one's short ones and the last of them run
-// alone at the end (scripts/tile_order_model.py --bwd-gqa: 0.78-0.84 of the ideal makespan at 16 query heads on 4,
-// 1024-8192, against 0.97-0.99 in one section). At head_dim <= 128 the lost L2 reuse costs less than that. H200,
-// 2026-12-03 (session 36 call 4; bf16, 16 query heads, 16k tokens, causal; medians of 2 rounds against the
-// sections): 16 on 4 K/V heads, 2048-8192, head_dim 64 +11-15 %, head_dim 128 +6-7 %. Not at head_dim 256, whose
-// 64-key CTAs move twice the Q, dO and dQ bytes per FLOP: one section read 0.80-1.01 of the sections there. Sections
-// do not apply to deterministic mode or head_dim 64's softcap kernel (Params::section_pairs): grid order there.
-// FAH_BWD_GQA_GLOBAL_ORDER=0 keeps the sections (for measurements and the tests of both orders).
-inline bool bwd_gqa_global_order(int kernel_head_dim, int heads_per_cta) {
-  if (heads_per_cta <= 1 || kernel_head_dim > 128) { return false; }
-  char const* v = std::getenv("FAH_BWD_GQA_GLOBAL_ORDER");
-  return v == nullptr || v[0] != '0';
+// GQA group CTAs (heads_per_cta > 1) under a causal-like mask at head_dim <= 128: sections of as many pairs as one
+// wave of CTAs holds (wave_section_pairs), longest first within each. A group CTA runs heads_per_cta times the query
+// blocks of a per-head one, so in 24 MiB sections (often one pair, whose Q, dO and dQ rows are heads_per_cta times
+// larger) the next section's long CTAs wait behind this one's short ones and the last of them run alone at the end
+// (scripts/tile_order_model.py --bwd-gqa: 0.78-0.84 of the ideal makespan at 16 query heads on 4, 1024-8192). One
+// order over all pairs (session 36) fixed that on the H200 (16 on 4, 2048-8192: head_dim 64 +11-15 %, head_dim 128
+// +6-7 % against the L2 sections) but keeps every pair's rows live: on an H100 (2026-12-05, session 52 call 1; bf16,
+// 16 query heads on 4, 16k tokens, causal) it read 225 TFLOP/s at head_dim 128 1024 against 289 in L2 sections and
+// 307 for dense MHA. Sections of one wave balance as well in the model (0.97-1.00) with a quarter to a half of the live
+// pairs; H100, session 52 call 2 (one wave = FAH_BWD_SECTION_MIB 64 at head_dim 128, 32 at head_dim 64; medians of 2
+// rounds, TFLOP/s one order / L2 sections / one wave): head_dim 128 16/4 1024 222 / 289 / 297, 2048 328 / 382 / 405,
+// 4096 435 / 445 / 494, 16384 482 / 517 / 495; head_dim 64 16/4 1024 238 / 270 / 293, 2048 370 / 346 / 387,
+// 4096 419 / 398 / 443; head_dim 64 16/2 (group 8) 1024 238 / 231 / 256, 2048 320 / 287 / 355, 4096 376 / 323 / 403.
+// Not at head_dim 256, whose 64-key CTAs move twice the Q, dO and dQ bytes per FLOP (one order read 0.80-1.01 of the
+// sections there; one wave not measured). Sections do not apply to deterministic mode or head_dim 64's softcap kernel
+// (Params::section_pairs): grid order there. FAH_BWD_GQA_ORDER=global (one section) or l2 (the L2 sections) instead,
+// for measurements and the tests of each order.
+enum class BwdGqaOrder { kWave, kGlobal, kL2 };
+inline BwdGqaOrder bwd_gqa_order(int kernel_head_dim, int heads_per_cta, int num_sms) {
+  if (heads_per_cta <= 1 || kernel_head_dim > 128 || num_sms <= 0) { return BwdGqaOrder::kL2; }
+  char const* v = std::getenv("FAH_BWD_GQA_ORDER");
+  if (v != nullptr && std::string_view(v) == "global") { return BwdGqaOrder::kGlobal; }
+  if (v != nullptr && std::string_view(v) == "l2") { return BwdGqaOrder::kL2; }
+  return BwdGqaOrder::kWave;
 }
 
 template <class Element, int kHeadDim>
@@ -201,13 +211,17 @@ cudaError_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   if (p.dq_semaphore == nullptr && causal_like(window_left, window_right, p.seqlen_q, p.seqlen_k) &&
       int64_t(grid.x) * grid.y * grid.z <= INT32_MAX) {
     int64_t const pairs = int64_t(grid.y) * grid.z;
+    // One CTA per SM: the shared memory (checked here) and the register budget of the warpgroups' setmaxnreg.
+    static_assert(Traits::kSmemBytes > 114 * 1024, "wave_section_pairs assumes one backward CTA per SM");
+    BwdGqaOrder const order = bwd_gqa_order(kHeadDim, p.heads_per_cta, p.num_sms);
     kp.section_pairs =
-        bwd_gqa_global_order(kHeadDim, p.heads_per_cta)
-            ? (pairs > 1 ? int(pairs) : 0)
-            : l2_section_pairs(pairs,
-                               double(p.seqlen_q) * p.heads_per_cta *
-                                   ((p.head_dim + p.head_dim_v) * sizeof(Element) + kHeadDim * 4.0),
-                               bwd_section_mib());
+        order == BwdGqaOrder::kGlobal ? (pairs > 1 ? int(pairs) : 0)
+        : order == BwdGqaOrder::kWave ? wave_section_pairs(pairs, grid.x, p.num_sms)
+                                      : l2_section_pairs(pairs,
+                                                         double(p.seqlen_q) * p.heads_per_cta *
+                                                             ((p.head_dim + p.head_dim_v) * sizeof(Element) +
+                                                              kHeadDim * 4.0),
+                                                         bwd_section_mib());
   }
   auto launch = [&](auto softcap_c, auto deterministic_c) {
     constexpr bool kSoftcap = decltype(softcap_c)::value, kDeterministic = decltype(deterministic_c)::value;

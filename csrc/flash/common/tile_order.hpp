@@ -15,16 +15,30 @@ inline bool causal_like(int window_left, int window_right, int seqlen_q, int seq
   return window_left >= seqlen_k && window_right < seqlen_q;
 }
 
-// Pairs per section: those whose bytes fit budget_mib (fit), lowered to the largest size above fit / 2 (rounded down)
-// that divides the pair count evenly (a short last section leaves a ragged tail in the model, which is not monotone in
-// the size), else fit itself; 0 (no sections) for a budget of 0 or a single pair.
-inline int l2_section_pairs(int64_t pairs, double bytes_per_pair, int budget_mib) {
-  if (budget_mib <= 0 || pairs <= 1) { return 0; }
-  double const fit_d = double(budget_mib) * (1 << 20) / std::max(bytes_per_pair, 1.0);
-  int64_t const fit = std::clamp<int64_t>(int64_t(std::min(fit_d, 1024.0)), 1, std::min<int64_t>(pairs, 1024));
+// Lowers a section size fit (1 <= fit <= pairs) to the largest size above fit / 2 (rounded down) that divides the pair
+// count evenly (a short last section leaves a ragged tail in the model, which is not monotone in the size), else keeps
+// fit itself.
+inline int even_section_pairs(int64_t pairs, int64_t fit) {
   int64_t s = fit;
   while (s > fit / 2 && pairs % s != 0) { --s; }
   return int(pairs % s == 0 ? s : fit);
+}
+
+// Pairs per section: those whose bytes fit budget_mib, lowered by even_section_pairs; 0 (no sections) for a budget of
+// 0 or a single pair.
+inline int l2_section_pairs(int64_t pairs, double bytes_per_pair, int budget_mib) {
+  if (budget_mib <= 0 || pairs <= 1) { return 0; }
+  double const fit_d = double(budget_mib) * (1 << 20) / std::max(bytes_per_pair, 1.0);
+  int64_t const fit = int64_t(std::min(fit_d, 1024.0));
+  return even_section_pairs(pairs, std::clamp<int64_t>(fit, 1, std::min<int64_t>(pairs, 1024)));
+}
+
+// Pairs per section for the backward's GQA group CTAs: as many pairs as one wave of resident CTAs holds (wave_ctas /
+// ctas_per_pair, at least 1), lowered by even_section_pairs; 0 for a single pair or an empty grid.
+inline int wave_section_pairs(int64_t pairs, int64_t ctas_per_pair, int64_t wave_ctas) {
+  if (pairs <= 1 || ctas_per_pair <= 0 || wave_ctas <= 0) { return 0; }
+  int64_t const fit = wave_ctas / ctas_per_pair;
+  return even_section_pairs(pairs, std::clamp<int64_t>(fit, 1, std::min<int64_t>(pairs, 1024)));
 }
 
 }  // namespace flash
