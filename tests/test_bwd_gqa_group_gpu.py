@@ -1,7 +1,7 @@
 """GQA backward with one CTA per (key block, K/V head) running the whole group of query heads (dK/dV kept in
 registers across the group, stored once) against one CTA per query head summing dK/dV in fp32
 (flash/config.hpp bwd_heads_per_cta; FAH_BWD_GQA_GROUP_CTA=1 / 0 forces either; the group CTAs under a causal mask
-in either launch order, FAH_BWD_GQA_GLOBAL_ORDER=1 / 0): the GQA, MQA, varlen and
+in the default sections of one wave and in the L2 sections, FAH_BWD_GQA_ORDER=l2): the GQA, MQA, varlen and
 deterministic tests of the backward, varlen, deterministic, feature and head_dim_v files, and the head_dim_v files'
 canary, memcheck and LSE-loss tests (GQA shapes whose dK/dV stores go straight to the caller's tensors in the group
 mode), pass under each forced mode, run in a fresh process; and the forced modes are the ones asked for (the fp32
@@ -26,17 +26,18 @@ FILES = ["tests/test_bwd_gpu.py", "tests/test_varlen_gpu.py", "tests/test_determ
          "tests/test_features_gpu.py", "tests/test_head_dim_v_gpu.py"]
 
 
-@pytest.mark.parametrize("mode,order", [("1", "1"), ("1", "0"), ("0", "1")],
-                         ids=["group-per-cta", "group-per-cta-sections", "head-per-cta"])
+@pytest.mark.parametrize("mode,order", [("1", "wave"), ("1", "l2"), ("0", "wave")],
+                         ids=["group-per-cta", "group-per-cta-l2-sections", "head-per-cta"])
 def test_gqa_test_files_pass_in_each_mode(mode, order):
-    """order: FAH_BWD_GQA_GLOBAL_ORDER, the group CTAs' launch order under a causal-like mask at head_dim <= 128 (1,
-    the default: key block n of every pair first; 0: L2 sections, flash/bwd/launch_bwd_sm90.hpp)."""
+    """order: FAH_BWD_GQA_ORDER, the group CTAs' launch order under a causal-like mask at head_dim <= 128 (wave, the
+    default: sections of one wave of CTAs, at most of these small grids one section, key block n of every pair first;
+    l2: the L2 sections, flash/bwd/launch_bwd_sm90.hpp)."""
     _built_dtype(128)
     selection = "gqa or mqa or varlen or deterministic or no_access_past or memcheck or lse_loss"
     args = ["-q", "-x", "-p", "no:cacheprovider", "-k", selection, *FILES]
     code = PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, FAH_BWD_GQA_GROUP_CTA=mode, FAH_BWD_GQA_GLOBAL_ORDER=order))
+                       env=dict(os.environ, FAH_BWD_GQA_GROUP_CTA=mode, FAH_BWD_GQA_ORDER=order))
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
     summary = r.stdout.strip().splitlines()[-1]

@@ -112,3 +112,41 @@ def test_partial_last_sections(head_dim):
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0 and r.stdout.strip().endswith("done"), tail
     assert r.stdout.count("ok ") == len(cases), tail
+
+
+def _wave_section_pairs(pairs, ctas_per_pair, wave_ctas):
+    """Port of wave_section_pairs (flash/common/tile_order.hpp), with even_section_pairs' lowering."""
+    if pairs <= 1 or ctas_per_pair <= 0 or wave_ctas <= 0:
+        return 0
+    fit = max(1, min(wave_ctas // ctas_per_pair, pairs, 1024))
+    s = fit
+    while s > fit // 2 and pairs % s != 0:
+        s -= 1
+    return s if pairs % s == 0 else fit
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_group_wave_sections_partial(head_dim):
+    """The GQA group CTAs' sections of one wave (launch_bwd_sm90.hpp bwd_gqa_order, the default at head_dim <= 128
+    under causal-like masks), forced to the group CTA (FAH_BWD_GQA_GROUP_CTA=1): seqlen_k chosen from this GPU's SM
+    count so that a section holds 4 or 5 of the 7 pairs (key blocks of 128 keys: sm_count // 4 of them per pair) and
+    the last section is partial; causal, square and with fewer queries than keys, and a window (-1, 3)."""
+    import torch
+
+    dtype = _built_dtype(head_dim)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    blocks = sms // 4
+    sk = blocks * 128 - 57
+    cases = [(7, 2, 1, sk, sk, head_dim, None), (1, 21, 7, sk - 333, sk, head_dim, None),
+             (7, 4, 1, sk, sk, head_dim, (-1, 3))]
+    for case in cases:
+        size = _wave_section_pairs(case[0] * case[2], -(-case[4] // 128), sms)
+        assert 1 < size < 7 and 7 % size != 0, f"premise: {case} on {sms} SMs gives sections of {size}"
+    code = CHILD.format(root=PACKAGE_ROOT, tests=os.path.join(ROOT, "tests"), dtype=f"torch.{str(dtype).split('.')[-1]}",
+                        cases=cases)
+    env = dict(os.environ, FAH_BWD_GQA_GROUP_CTA="1")
+    env.pop("FAH_BWD_GQA_ORDER", None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0 and r.stdout.strip().endswith("done"), tail
+    assert r.stdout.count("ok ") == len(cases), tail
