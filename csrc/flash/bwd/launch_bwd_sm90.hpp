@@ -38,21 +38,18 @@ inline int bwd_section_mib() {
 
 // GQA group CTAs (heads_per_cta > 1) under a causal-like mask at head_dim <= 128: sections of as many pairs as one
 // wave of CTAs holds (wave_section_pairs), longest first within each. A group CTA runs heads_per_cta times the query
-// blocks of a per-head one, so in 24 MiB sections (often one pair, whose Q, dO and dQ rows are heads_per_cta times
-// larger) the next section's long CTAs wait behind this one's short ones and the last of them run alone at the end
-// (scripts/tile_order_model.py --bwd-gqa: 0.78-0.84 of the ideal makespan at 16 query heads on 4, 1024-8192). One
-// order over all pairs (session 36) fixed that on the H200 (16 on 4, 2048-8192: head_dim 64 +11-15 %, head_dim 128
-// +6-7 % against the L2 sections) but keeps every pair's rows live: on an H100 (2026-12-05, session 52 call 1; bf16,
-// 16 query heads on 4, 16k tokens, causal) it read 225 TFLOP/s at head_dim 128 1024 against 289 in L2 sections and
-// 307 for dense MHA. Sections of one wave balance as well in the model (0.97-1.00) with a quarter to a half of the live
-// pairs; H100, session 52 call 2 (one wave = FAH_BWD_SECTION_MIB 64 at head_dim 128, 32 at head_dim 64; medians of 2
-// rounds, TFLOP/s one order / L2 sections / one wave): head_dim 128 16/4 1024 222 / 289 / 297, 2048 328 / 382 / 405,
-// 4096 435 / 445 / 494, 16384 482 / 517 / 495; head_dim 64 16/4 1024 238 / 270 / 293, 2048 370 / 346 / 387,
-// 4096 419 / 398 / 443; head_dim 64 16/2 (group 8) 1024 238 / 231 / 256, 2048 320 / 287 / 355, 4096 376 / 323 / 403.
-// Not at head_dim 256, whose 64-key CTAs move twice the Q, dO and dQ bytes per FLOP (one order read 0.80-1.01 of the
-// sections there; one wave not measured). Sections do not apply to deterministic mode or head_dim 64's softcap kernel
-// (Params::section_pairs): grid order there. FAH_BWD_GQA_ORDER=global (one section) or l2 (the L2 sections) instead,
-// for measurements and the tests of each order.
+// blocks of a per-head one, so in 24 MiB L2 sections (often one pair) the next section's long CTAs wait behind this
+// one's short ones (scripts/tile_order_model.py --bwd-gqa: 0.78-0.84 of the ideal makespan at 16 query heads on 4).
+// One order over all pairs (session 36; H200 +6-15 % over the L2 sections at 2048-8192) balances but keeps every
+// pair's Q, dO and dQ rows live at once, which an H100's lower bandwidth does not hide. One wave balances as well in
+// the model with a quarter to a half of the live pairs. H100, 2026-12-05 (session 52, benchmarks/NOTES.md; bf16, 16
+// query heads, 16k tokens, causal, medians of 2 rounds, TFLOP/s one order -> one wave): head_dim 128 16/4 1024
+// 225 -> 298, 2048 348 -> 411, 4096 410 -> 432 (the L2 sections 289, 382, 445); 16/8 186 -> 329, 303 -> 443, 485 ->
+// 520; head_dim 64 16/4 243 -> 293, 377 -> 388, 434 -> 454; 16/2 240 -> 258, 323 -> 360, 407 -> 437. Not at head_dim
+// 256 (64-key CTAs: twice the bytes per FLOP), where one wave (FAH_BWD_SECTION_MIB at its bytes) read +1-6 % at 16/8
+// and 16/4 but -8 % / -14 % at 16/2 2048 / 4096 against the L2 sections. Sections do not apply to deterministic mode
+// or head_dim 64's softcap kernel (Params::section_pairs): grid order there. FAH_BWD_GQA_ORDER=global (one section)
+// or l2 (the L2 sections) instead, for measurements and the tests of each order.
 enum class BwdGqaOrder { kWave, kGlobal, kL2 };
 inline BwdGqaOrder bwd_gqa_order(int kernel_head_dim, int heads_per_cta, int num_sms) {
   if (heads_per_cta <= 1 || kernel_head_dim > 128 || num_sms <= 0) { return BwdGqaOrder::kL2; }
