@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# S51 pack only: FAH_BWD_GQA_GLOBAL_ORDER, used below, was replaced by FAH_BWD_GQA_ORDER in f798bcd (session 52).
 # The next device session's first call, prepared in session 51 (one warm machine, ~450 s; CPU-checked only): the GPU
 # files not yet run to a verdict on the head's kernels, the GQA causal backward's group-mode A/B, the head_dim 128
 # rotated walk's A/B, then the grid with the feature rows. Packs (scripts/build_pack.sh on the CPU machine; carry them):

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# S51 pack only: FAH_BWD_GQA_GLOBAL_ORDER, used below, was replaced by FAH_BWD_GQA_ORDER in f798bcd (session 52).
 # Session 52 call 2: the GQA causal backward's section size. Call 1 (H100) had the group CTAs in one longest-first
 # order at 0.73 of dense at 1024 (225 TFLOP/s) against 289 in 24 MiB sections. A makespan model (sections of about
 # one wave of CTAs: 0.97-1.00 of ideal, with half the live pairs of one section) suggests sections of ~SMs CTAs; these

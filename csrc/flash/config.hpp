@@ -189,6 +189,9 @@ struct BwdTileConfig {
 // Session 41 (the rule against each mode forced, 2 rounds, 1024-16384): without a mask +22-24 % at 1024, +5-14 % at
 // 2048-4096, +2-4 % at 8192-16384; causal head_dim 64 16/2 +28 % at 1024, +5-15 % at 2048-4096, level to -2 % at
 // 8192-16384 (left in: one shape, within two rounds' spread of level).
+// Those causal-like measurements had the group CTAs in one global order; with the one-wave sections (session 52,
+// H100) causal head_dim 128 16/2 still prefers the sums (group 225 / 296 / 374 against 265 / 384 / 460 TFLOP/s at
+// 1024 / 2048 / 4096); the other thresholds were not measured again.
 // Returns the query heads per CTA (1 or the group size). FAH_BWD_GQA_GROUP_CTA=1 or 0 forces either
 // (tests/test_bwd_gqa_group_gpu.py runs the GQA tests under both).
 enum class BwdMask { kNone, kCausalLike, kOther };

@@ -44,12 +44,12 @@ inline int bwd_section_mib() {
 // pair's Q, dO and dQ rows live at once, which an H100's lower bandwidth does not hide. One wave balances as well in
 // the model with a quarter to a half of the live pairs. H100, 2026-12-05 (session 52, benchmarks/NOTES.md; bf16, 16
 // query heads, 16k tokens, causal, medians of 2 rounds, TFLOP/s one order -> one wave): head_dim 128 16/4 1024
-// 225 -> 298, 2048 348 -> 411, 4096 410 -> 432 (the L2 sections 289, 382, 445); 16/8 186 -> 329, 303 -> 443, 485 ->
-// 520; head_dim 64 16/4 243 -> 293, 377 -> 388, 434 -> 454; 16/2 240 -> 258, 323 -> 360, 407 -> 437. Not at head_dim
+// 225 -> 298, 2048 348 -> 410, 4096 410 -> 431 (the L2 sections 289, 382, 445); 16/8 186 -> 329, 303 -> 443, 485 ->
+// 520; head_dim 64 16/4 243 -> 293, 377 -> 388, 435 -> 454; 16/2 240 -> 258, 322 -> 360, 407 -> 437. Not at head_dim
 // 256 (64-key CTAs: twice the bytes per FLOP), where one wave (FAH_BWD_SECTION_MIB at its bytes) read +1-6 % at 16/8
-// and 16/4 but -8 % / -14 % at 16/2 2048 / 4096 against the L2 sections. Sections do not apply to deterministic mode
-// or head_dim 64's softcap kernel (Params::section_pairs): grid order there. FAH_BWD_GQA_ORDER=global (one section)
-// or l2 (the L2 sections) instead, for measurements and the tests of each order.
+// and 16/4 1024-4096 but -8 % / -14 % at 16/2 2048 / 4096 against the L2 sections. Sections do not apply to
+// deterministic mode or head_dim 64's softcap kernel (Params::section_pairs): grid order there.
+// FAH_BWD_GQA_ORDER=global (one section) or l2 (the L2 sections) instead, for measurements and the tests of each order.
 enum class BwdGqaOrder { kWave, kGlobal, kL2 };
 inline BwdGqaOrder bwd_gqa_order(int kernel_head_dim, int heads_per_cta, int num_sms) {
   if (heads_per_cta <= 1 || kernel_head_dim > 128 || num_sms <= 0) { return BwdGqaOrder::kL2; }

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The next device session's first call, prepared in session 52 (one warm machine, ~330 s; CPU-checked only): the GQA
+# group CTAs' orders on whatever card comes (the one-wave sections landed on H100 evidence only; session 36 measured
+# the global order +6-15 % over the L2 sections on the H200), then the grid with the feature rows. Pack: S52
+# (scripts/build_pack.sh NAME=S52 from f798bcd or later: the head's C++, every kernel).
+#   carry [".prebuilt/pack/s52.tar.xz"]; OUT=$OUT bash scripts/device_session53.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/s53}; mkdir -p "$OUT"
+python3 -c "import tarfile; tarfile.open('.prebuilt/pack/s52.tar.xz').extractall('.prebuilt')" || exit 1
+cp -f .prebuilt/S52/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv | tee "$OUT/smi.txt"
+
+CASES=("X=1" "FAH_BWD_GQA_ORDER=global" "FAH_BWD_GQA_ORDER=l2")
+for r in 1 2; do
+  order=("${CASES[@]}")
+  if (( r == 2 )); then mapfile -t order < <(printf '%s\n' "${CASES[@]}" | tac); fi
+  for c in "${order[@]}"; do
+    echo "== round $r: $c"
+    env $c GQA_CAUSAL=yes timeout 40 python3 scripts/gqa_bwd_points.py 1024,2048,4096 16,8,4 128
+    env $c GQA_CAUSAL=yes timeout 40 python3 scripts/gqa_bwd_points.py 1024,2048,4096 8,4,2 64
+  done
+done > "$OUT/gqa_orders.txt" 2>&1
+echo "gqa orders done"
+
+timeout ${GRID_S:-150} python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both --no-bar \
+  --json "$OUT/grid_S52.json" --summary "$OUT/grid_S52_summary.md" > "$OUT/grid.log" 2>&1
+echo "grid rc $?"
