@@ -122,9 +122,71 @@ def _scores(q, k, scale, causal, window_size, softcap, document_ids=None):
 
 def repeat_kv(k, nheads):
     """GQA/MQA: (batch, seqlen, nheads_k, head_dim) -> (batch, seqlen, nheads, head_dim), query head h reading
-    K/V head h // (nheads // nheads_k). The identity when nheads_k == nheads."""
+    K/V head h // (nheads // nheads_k). The identity when nheads_k == nheads. Raises ValueError unless nheads_k
+    divides nheads (a repeat by nheads // nheads_k would give another number of heads)."""
     nheads_k = k.shape[2]
-    return k if nheads_k == nheads else k.repeat_interleave(nheads // nheads_k, dim=2)
+    if nheads_k == nheads:
+        return k
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"k has {nheads_k} heads, which does not divide nheads {nheads}")
+    return k.repeat_interleave(nheads // nheads_k, dim=2)
+
+
+def _check_shapes(q, k, v, dout=None, dlse=None, document_ids=None, varlen=False):
+    """The shape rules of ``attention`` (``attention_varlen`` with varlen=True) for the references, ValueError naming
+    the argument: einsum, the masks and the elementwise products broadcast size-1 dimensions, so a k or v of batch 1,
+    a k with one key or a head_dim of 1, a dout or dlse of batch 1, or document_ids of shape (1, seqlen) were taken
+    silently, computing a reference under a rule the kernels refuse (and a check against it that cannot fail)."""
+    rank = 3 if varlen else 4
+    layout = "(total_tokens, nheads, head_dim)" if varlen else "(batch, seqlen, nheads, head_dim)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
+    lead = 0 if varlen else 1  # the seqlen (tokens) dimension
+    if not varlen:
+        for name, t in (("k", k), ("v", v)):
+            if t.shape[0] != q.shape[0]:
+                raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}")
+    if k.shape[lead] != v.shape[lead]:
+        raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape[lead]} and v {v.shape[lead]}")
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != nheads_k:
+        raise ValueError(f"v has {v.shape[-2]} heads but k has {nheads_k}")
+    if (nheads_k == 0) != (nheads == 0) or nheads_k and nheads % nheads_k:
+        raise ValueError(f"k has {nheads_k} heads, which does not divide q's nheads {nheads}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
+    if dout is not None and tuple(dout.shape) != (*q.shape[:-1], v.shape[-1]):
+        raise ValueError(f"dout must have out's shape {(*q.shape[:-1], v.shape[-1])}, got {tuple(dout.shape)}")
+    lse_shape = (nheads, q.shape[0]) if varlen else (q.shape[0], nheads, q.shape[1])
+    if dlse is not None and tuple(dlse.shape) != lse_shape:
+        raise ValueError(f"dlse must have the LSE's shape {lse_shape}, got {tuple(dlse.shape)}")
+    if document_ids is not None:
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(f"document_ids needs seqlen_q == seqlen_k, got {q.shape[1]} and {k.shape[1]}")
+        if tuple(document_ids.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"document_ids must have shape (batch, seqlen) = {tuple(q.shape[:2])}, got "
+                             f"{tuple(document_ids.shape)}")
+
+
+def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k):
+    """cu_seqlens as ``attention_varlen`` takes them (1-D, equal lengths, from >= 0, non-decreasing, within the rows);
+    returns both as lists. Slicing clips offsets past the rows and the loop ignored extra entries of cu_seqlens_k, so
+    such values gave a reference for other sequences than the ones named."""
+    values = []
+    for name, cu, rows in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor of length batch + 1, got {cu.dtype} "
+                             f"{tuple(cu.shape)}")
+        c = cu.tolist()
+        if c[0] < 0 or any(b < a for a, b in zip(c, c[1:])) or c[-1] > rows:
+            raise ValueError(f"{name} must be non-decreasing offsets in [0, {rows}] (the rows of {name[-1]}), "
+                             f"got {c}")
+        values.append(c)
+    if len(values[0]) != len(values[1]):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{len(values[0])} and {len(values[1])}")
+    return values
 
 
 @_in_reference_mode
@@ -140,8 +202,11 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
     window_size, softcap and document_ids as ``flash_attn_hopper.attention`` (scores ``softcap * tanh(S / softcap)``,
     then the mask).
     Returns (out in the compute dtype, lse float32 (batch, nheads, seqlen_q)). A row that sees no key gets
-    output 0 and LSE -inf.
+    output 0 and LSE -inf. Raises ValueError, naming the argument, for shapes ``attention`` refuses (batch, seqlen_k,
+    heads or head_dim that differ, document_ids not (batch, seqlen)): broadcasting them gave a reference for another
+    problem. The gradient references check dout (out's shape) and dlse (the LSE's) the same way.
     """
+    _check_shapes(q, k, v, document_ids=document_ids)
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     head_dim = q.shape[-1]
@@ -160,7 +225,11 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
 
 
 def max_abs_err(a, b):
-    """Max |a - b| over finite-or-not elements; NaN if either holds a NaN where the other does not match."""
+    """Max |a - b| over finite-or-not elements; NaN if either holds a NaN where the other does not match. a and b must
+    have one shape (ValueError otherwise: broadcasting compared, e.g., a reference of batch 1 with every batch
+    element)."""
+    if a.shape != b.shape:
+        raise ValueError(f"max_abs_err compares tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     a = a.double()
     b = b.double()
     both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
@@ -175,8 +244,12 @@ def assert_close_by_rule(out, ref, ref_naive, name, floor=None):
 
     The default floor is 1e-5 (float32 outputs) or 1e-4 (others) times max(1, max|ref|).
 
-    ref is the float32 reference; ref_naive the same math run in the input dtype. Infinities must match exactly.
+    ref is the float32 reference; ref_naive the same math run in the input dtype, of ref's shape (ValueError
+    otherwise: a broadcast naive error bounds nothing). Infinities must match exactly.
     """
+    if ref_naive.shape != ref.shape:
+        raise ValueError(f"{name}: ref_naive has shape {tuple(ref_naive.shape)} but ref has {tuple(ref.shape)}; the "
+                         "naive reference must be the same computation as ref, in the input dtype")
     if floor is None:
         # Rounding noise of the output format, relative to the values' magnitude (an fp32 LSE near -115 has an
         # ulp of 7.6e-6): about 80 float32 ulps, or a fraction of one fp16/bf16 ulp.
@@ -216,6 +289,7 @@ def attention_ref_grads(
     dlse: optional gradient of the loss with respect to the LSE (batch, nheads, seqlen_q), added to the graph's
     output gradients (rows with LSE -inf take none: they have no scores to pass it to).
     """
+    _check_shapes(q, k, v, dout, dlse, document_ids)
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     # (under torch.inference_mode() enable_grad alone records nothing: "element 0 of tensors does not require grad")
     with torch.inference_mode(False), torch.enable_grad():
@@ -258,6 +332,7 @@ def attention_bwd_ref(
     its own head_dim), dout like the output. upcast=True computes in float32 (float64 stays float64);
     upcast=False in the input dtype. Returns (dq, dk, dv) in the compute dtype.
     """
+    _check_shapes(q, k, v, dout, dlse)
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
     dout = dout.to(q.dtype)
@@ -295,9 +370,12 @@ def attention_varlen_ref(
     """``attention_ref`` per sequence of a packed variable-length batch (layout of
     ``flash_attn_hopper.attention_varlen``): q (total_q, nheads, head_dim), k/v (total_k, nheads_k, head_dim), cu_seqlens
     int32 (batch + 1). Returns (out (total_q, nheads, head_dim) in the compute dtype, lse float32 (nheads, total_q));
-    rows that no sequence covers get output 0 and LSE -inf. Differentiable (autograd flows per sequence)."""
+    rows that no sequence covers get output 0 and LSE -inf. Differentiable (autograd flows per sequence). Raises
+    ValueError, naming the argument, for shapes and cu_seqlens ``attention_varlen`` refuses (cu_seqlens of different
+    lengths, negative, decreasing or past the rows; any integer dtype is taken)."""
+    _check_shapes(q, k, v, varlen=True)
+    cq, ck = _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k)
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     total_q, nheads, head_dim = q.shape
     outs, lses = [], []
     covered = 0
@@ -322,6 +400,7 @@ def attention_varlen_ref(
 def attention_varlen_ref_grads(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, upcast=True, dlse=None, **kwargs):
     """(dq, dk, dv) of ``attention_varlen_ref`` by autograd for output gradient dout (and LSE gradient dlse, as in
     ``attention_ref_grads``); kwargs as ``attention_varlen_ref``."""
+    _check_shapes(q, k, v, dout, dlse, varlen=True)
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     with torch.inference_mode(False), torch.enable_grad():  # (as attention_ref_grads)
         leaves = [_grad_leaf(t, compute) for t in (q, k, v)]
