@@ -96,3 +96,14 @@ def full_fp32_matmul(request):
     torch.set_float32_matmul_precision("highest")
     yield
     torch.set_float32_matmul_precision(old)
+
+
+@pytest.fixture
+def cpu_ops(monkeypatch):
+    """The library's ops run through the CPU stand-ins of tests/cpu_stand_ins.py (a module's own cpu_ops fixture takes
+    precedence); dynamo's caches are reset afterwards, since compiled graphs keep the stand-ins."""
+    from cpu_stand_ins import stand_ins
+
+    with stand_ins(monkeypatch):
+        yield
+    torch._dynamo.reset()

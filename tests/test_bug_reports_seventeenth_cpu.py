@@ -48,20 +48,12 @@ import torch
 
 from flash_attn_hopper import attention, attention_varlen, testing
 
-from cpu_stand_ins import stand_ins
 from gpu_helpers import ambient_defaults
 
 np = pytest.importorskip("numpy")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
-
-
-@pytest.fixture
-def cpu_ops(monkeypatch):
-    with stand_ins(monkeypatch):
-        yield
-    torch._dynamo.reset()
 
 
 def _run_python(flags, script, timeout=240):

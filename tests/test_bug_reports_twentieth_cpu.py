@@ -28,14 +28,7 @@ import torch
 from flash_attn_hopper import attention, attention_varlen, testing
 
 import cpu_stand_ins
-from cpu_stand_ins import dense_inputs as _dense, stand_ins, varlen_inputs as _varlen
-
-
-@pytest.fixture
-def cpu_ops(monkeypatch):
-    with stand_ins(monkeypatch):
-        yield
-    torch._dynamo.reset()
+from cpu_stand_ins import dense_inputs as _dense, varlen_inputs as _varlen
 
 
 def _cu(values):
