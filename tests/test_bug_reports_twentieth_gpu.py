@@ -44,7 +44,8 @@ def test_compiled_calls_on_changing_shapes(dynamic):
     for shape in _SHAPES:
         require_built(max(shape[5], shape[6]), torch.bfloat16)
     for shape in _SHAPES:
-        q, k, v, dout = attention_inputs(*shape, dtype=torch.bfloat16, head_dim_v=shape[6])
+        # (shape[6] is head_dim_v: passed by keyword; attention_inputs' 7th positional argument is dtype)
+        q, k, v, dout = attention_inputs(*shape[:6], torch.bfloat16, head_dim_v=shape[6])
         out, lse, grads = _compiled_run(compiled, q, k, v, dout)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
         check_attention(out, lse, grads, q, k, v, dout, f"compiled {shape}", causal=True)
