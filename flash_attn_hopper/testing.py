@@ -152,7 +152,8 @@ def _check_shapes(q, k, v, dout=None, dlse=None, document_ids=None, varlen=False
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if v.shape[-2] != nheads_k:
         raise ValueError(f"v has {v.shape[-2]} heads but k has {nheads_k}")
-    if (nheads_k == 0) != (nheads == 0) or nheads_k and nheads % nheads_k:
+    # (interface._check_tensor_args' rule: zero query heads over K/V heads is an empty problem attention takes)
+    if nheads_k == 0 and nheads != 0 or nheads_k != 0 and nheads % nheads_k != 0:
         raise ValueError(f"k has {nheads_k} heads, which does not divide q's nheads {nheads}")
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")

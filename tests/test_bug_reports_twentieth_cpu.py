@@ -153,6 +153,26 @@ def test_repeat_kv_refuses_head_counts_that_do_not_divide():
     assert testing.repeat_kv(k, 6).flatten().tolist() == [0, 0, 1, 1, 2, 2]
 
 
+def test_references_take_zero_query_heads_over_kv_heads():
+    """EM's check follows interface._check_tensor_args, which takes q with no heads over k, v with some (an empty
+    problem: nheads_k divides 0): the references too (the first version of the check refused it), dense and varlen,
+    with empty results of the right shapes and zero K/V gradients; k, v with no heads under q with some stay refused."""
+    from flash_attn_hopper import interface
+
+    q, k, v = torch.randn(2, 5, 0, 16), torch.randn(2, 7, 2, 16), torch.randn(2, 7, 2, 24)
+    interface._check_tensor_args(q.half(), k.half(), v.half())  # attention takes it
+    out, lse = testing.attention_ref(q, k, v, causal=True)
+    assert out.shape == (2, 5, 0, 24) and lse.shape == (2, 0, 5)
+    dout = torch.randn(2, 5, 0, 24)
+    for grads in (testing.attention_ref_grads(q, k, v, dout), testing.attention_bwd_ref(q, k, v, dout)):
+        assert [tuple(g.shape) for g in grads] == [(2, 5, 0, 16), (2, 7, 2, 16), (2, 7, 2, 24)]
+        assert not grads[1].any() and not grads[2].any()
+    out, lse = testing.attention_varlen_ref(q[0], k[0], v[0], _cu([0, 2, 5]), _cu([0, 3, 7]))
+    assert out.shape == (5, 0, 24) and lse.shape == (0, 5)
+    with pytest.raises(ValueError, match="does not divide"):
+        testing.attention_ref(torch.randn(2, 5, 2, 16), k[:, :, :0], v[:, :, :0])
+
+
 # ------------------------------------------------------------------------------------------------------ EN
 
 def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim_v):
