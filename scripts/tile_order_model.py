@@ -78,22 +78,46 @@ def bwd_main(sms=132, x=2.0):
                   + f"; the launcher's {s}: {ideal / makespan(chosen, sms):.3f}")
 
 
+def live_pairs(pair_costs, sms, samples=400):
+    """Makespan and the time-averaged number of distinct pairs among the running CTAs, for CTAs (pair, cost) handed
+    out in list order: a proxy for the Q, dO and dQ rows that must stay in L2 at once."""
+    free = [(0.0, i) for i in range(sms)]
+    heapq.heapify(free)
+    spans = []
+    for pair, c in pair_costs:
+        t, i = heapq.heappop(free)
+        spans.append((t, t + c, pair))
+        heapq.heappush(free, (t + c, i))
+    end = max(e for _, e, _ in spans)
+    points = [end * (j + 0.5) / samples for j in range(samples)]
+    return end, sum(len({p for s, e, p in spans if s <= t < e}) for t in points) / samples
+
+
 def bwd_gqa_main(sms=132, x=2.0):
-    """--bwd-gqa (session 36): the backward's GQA group CTAs (heads_per_cta = 16 / K/V heads; each costs the group's
-    query blocks), 16 query heads, 16k tokens, causal, in the launcher's L2 sections (bytes per pair: the group's Q, dO
-    and dQ rows) against one section for all pairs (key block n of every pair first)."""
+    """--bwd-gqa (sessions 36 and 52): the backward's GQA group CTAs (heads_per_cta = 16 / K/V heads; each costs the
+    group's query blocks), 16 query heads, 16k tokens, causal: the L2 sections (bytes per pair: the group's Q, dO and
+    dQ rows), one section for all pairs (key block n of every pair first), and sections of one wave (the launcher's
+    wave_section_pairs since session 52), each with its makespan against the ideal and its live pairs."""
     for head_dim, block_m, block_n in ((64, 128, 128), (128, 64, 128), (256, 64, 64)):
         for seqlen in (1024, 2048, 4096, 8192, 16384):
             for kv_heads in (8, 4, 2):
                 group, num_n_blocks = 16 // kv_heads, seqlen // block_n
                 pairs = kv_heads * max(1, 16384 // seqlen)
                 cost = lambda m: group * (m + 1) * block_n / block_m + x  # m = num_n_blocks - 1 - n
-                ordered = lambda s: in_sections(cost, num_n_blocks, pairs, s)
-                s = section_heads(pairs, seqlen * group * head_dim * 8 / 2**20)
-                ideal = sum(ordered(pairs)) / sms
-                sectioned, one = ideal / makespan(ordered(s), sms), ideal / makespan(ordered(pairs), sms)
-                print(f"backward GQA head_dim {head_dim} causal {seqlen} 16/{kv_heads}: sections of {s} "
-                      f"{sectioned:.3f}, one section {one:.3f}")
+                ordered = lambda s: [(p, cost(m)) for s0 in range(0, pairs, s) for m in reversed(range(num_n_blocks))
+                                     for p in range(s0, min(pairs, s0 + s))]
+                l2 = section_heads(pairs, seqlen * group * head_dim * 8 / 2**20)
+                fit = max(1, min(sms // num_n_blocks, pairs))
+                wave = fit
+                while wave > fit // 2 and pairs % wave:
+                    wave -= 1
+                wave = wave if pairs % wave == 0 else fit
+                ideal = sum(c for _, c in ordered(pairs)) / sms
+                cells = []
+                for name, s in (("L2 sections", l2), ("one section", pairs), ("one wave", wave)):
+                    end, live = live_pairs(ordered(s), sms)
+                    cells.append(f"{name} ({s}) {ideal / end:.3f}, {live:.1f} live")
+                print(f"backward GQA head_dim {head_dim} causal {seqlen} 16/{kv_heads}: " + "; ".join(cells))
 
 
 if __name__ == "__main__":
