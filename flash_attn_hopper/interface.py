@@ -72,22 +72,9 @@ def _check_strided(name, t):
         )
 
 
-def _check_tensor_args(q, k, v):
-    """Shape/dtype/stride checks that need no GPU. Raises TypeError or ValueError naming the argument."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        _check_strided(name, t)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are torch.float16 and torch.bfloat16")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have rank 4 (batch, seqlen, nheads, head_dim), got rank {t.dim()} with shape {tuple(t.shape)}"
-            )
+def _check_shapes_agree(q, k, v):
+    """How q, k and v of rank 4 must agree (batch; seqlen_k; nheads_k, which divides nheads; head_dim of q and k),
+    ValueError naming the argument; also the rule of flash_attn_hopper.testing's references."""
     batch, _, nheads, head_dim = q.shape
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != batch:
@@ -104,6 +91,26 @@ def _check_tensor_args(q, k, v):
         )
     if k.shape[3] != head_dim:
         raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {head_dim}")
+
+
+def _check_tensor_args(q, k, v):
+    """Shape/dtype/stride checks that need no GPU. Raises TypeError or ValueError naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check_strided(name, t)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are torch.float16 and torch.bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have rank 4 (batch, seqlen, nheads, head_dim), got rank {t.dim()} with shape {tuple(t.shape)}"
+            )
+    _check_shapes_agree(q, k, v)
+    batch, _, nheads, head_dim = q.shape
     for what, value in (("batch", batch), ("nheads", nheads)):
         if _over(value, _MAX_GRID_YZ):
             raise ValueError(f"q has {what} {value}; at most {_MAX_GRID_YZ} is supported (CUDA grid limit)")
@@ -554,6 +561,11 @@ def _check_document_ids(document_ids, q, k):
         raise TypeError(f"document_ids must have an integer dtype (int8/16/32/64, uint8), got {document_ids.dtype}")
     if document_ids.device != q.device:
         raise ValueError(f"document_ids is on {document_ids.device} but q is on {q.device}; it must be on q's device")
+    _check_document_ids_shape(document_ids, q, k)
+
+
+def _check_document_ids_shape(document_ids, q, k):
+    """document_ids' shape against q's and k's (also the rule of flash_attn_hopper.testing's references)."""
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"document_ids packs documents for self-attention: seqlen_q ({q.shape[1]}) must equal seqlen_k "

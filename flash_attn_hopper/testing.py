@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from .interface import _check_window
+from .interface import _check_document_ids_shape, _check_shapes_agree, _check_window
 
 # The matmul backends whose float32 precision torch.set_float32_matmul_precision("high" / "medium") lowers: cuBLAS
 # (TF32) and oneDNN on CPUs with bf16 / AMX units (TF32 or bf16).
@@ -142,32 +142,16 @@ def _check_shapes(q, k, v, dout=None, dlse=None, document_ids=None, varlen=False
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != rank:
             raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
-    lead = 0 if varlen else 1  # the seqlen (tokens) dimension
-    if not varlen:
-        for name, t in (("k", k), ("v", v)):
-            if t.shape[0] != q.shape[0]:
-                raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {q.shape[0]}")
-    if k.shape[lead] != v.shape[lead]:
-        raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape[lead]} and v {v.shape[lead]}")
-    nheads, nheads_k = q.shape[-2], k.shape[-2]
-    if v.shape[-2] != nheads_k:
-        raise ValueError(f"v has {v.shape[-2]} heads but k has {nheads_k}")
-    # (interface._check_tensor_args' rule: zero query heads over K/V heads is an empty problem attention takes)
-    if nheads_k == 0 and nheads != 0 or nheads_k != 0 and nheads % nheads_k != 0:
-        raise ValueError(f"k has {nheads_k} heads, which does not divide q's nheads {nheads}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
+    # attention_varlen checks its rank-3 tensors as one batch element too
+    _check_shapes_agree(*((t.unsqueeze(0) for t in (q, k, v)) if varlen else (q, k, v)))
+    nheads = q.shape[-2]
     if dout is not None and tuple(dout.shape) != (*q.shape[:-1], v.shape[-1]):
         raise ValueError(f"dout must have out's shape {(*q.shape[:-1], v.shape[-1])}, got {tuple(dout.shape)}")
     lse_shape = (nheads, q.shape[0]) if varlen else (q.shape[0], nheads, q.shape[1])
     if dlse is not None and tuple(dlse.shape) != lse_shape:
         raise ValueError(f"dlse must have the LSE's shape {lse_shape}, got {tuple(dlse.shape)}")
     if document_ids is not None:
-        if q.shape[1] != k.shape[1]:
-            raise ValueError(f"document_ids needs seqlen_q == seqlen_k, got {q.shape[1]} and {k.shape[1]}")
-        if tuple(document_ids.shape) != tuple(q.shape[:2]):
-            raise ValueError(f"document_ids must have shape (batch, seqlen) = {tuple(q.shape[:2])}, got "
-                             f"{tuple(document_ids.shape)}")
+        _check_document_ids_shape(document_ids, q, k)
 
 
 def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k):
