@@ -3,16 +3,26 @@ DESIGN.md §3, used by the tests and the benchmark.
 
 Every reference runs in its own numeric mode, whatever the caller's: autocast off and float32 matrix products in full
 float32 (_reference_mode), so that the float32 reference stays one and the naive one stays in the input dtype; the
-gradient references also run under torch.inference_mode() and with inference tensors (_grad_leaf)."""
+gradient references also run under torch.inference_mode() and with inference tensors (_grad_leaf).
+
+The references refuse what ``attention`` / ``attention_varlen`` refuse (shapes, mixed dtypes, document_ids and
+cu_seqlens, softmax_scale / causal / window_size / softcap values), with its exceptions, so that no reference is
+computed for a rule the kernels do not have; they also take float32 and float64 inputs."""
 
 import contextlib
 import functools
 import math
+import numbers
 import threading
 
 import torch
 
-from .interface import _check_document_ids_shape, _check_shapes_agree, _check_window
+from .interface import (_DOCUMENT_ID_DTYPES, _check_causal, _check_document_ids_shape, _check_scale,
+                        _check_shapes_agree, _check_softcap, _check_window)
+
+# The dtypes the references compute in: attention's fp16 / bf16, and float32 / float64 for references of higher
+# precision (and for the comparisons' own tests).
+_REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # The matmul backends whose float32 precision torch.set_float32_matmul_precision("high" / "medium") lowers: cuBLAS
 # (TF32) and oneDNN on CPUs with bf16 / AMX units (TF32 or bf16).
@@ -56,7 +66,7 @@ def _in_reference_mode(fn):
     references, the varlen one per sequence) runs in the caller's mode instead of entering it again."""
     @functools.wraps(fn)
     def wrapper(q, *args, **kwargs):
-        if getattr(_in_mode, "active", False):
+        if getattr(_in_mode, "active", False) or not isinstance(q, torch.Tensor):  # (fn refuses a q not a tensor)
             return fn(q, *args, **kwargs)
         _in_mode.active = True
         try:
@@ -85,9 +95,9 @@ def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=No
     """Boolean (seqlen_q, seqlen_k), True where query i may see key j under DESIGN.md §2's window rule:
     ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``, -1 leaving a side unbounded;
     causal sets right = 0. Raises as ``attention`` does (interface._check_window: TypeError for a side that is not an
-    int, ValueError for one below -1 or causal with a right side above 0), so that a reference is never computed
-    under a rule the kernels do not have."""
-    left, right = _check_window(window_size, causal)
+    int, ValueError for one below -1 or causal with a right side above 0; TypeError for a causal that is not a bool),
+    so that a reference is never computed under a rule the kernels do not have."""
+    left, right = _check_window(window_size, _check_causal(causal))
     i = torch.arange(seqlen_q, device=device).unsqueeze(1)
     j = torch.arange(seqlen_k, device=device).unsqueeze(0)
     diag = i + (seqlen_k - seqlen_q)
@@ -139,6 +149,23 @@ def _check_shapes(q, k, v, dout=None, dlse=None, document_ids=None, varlen=False
     silently, computing a reference under a rule the kernels refuse (and a check against it that cannot fail)."""
     rank = 3 if varlen else 4
     layout = "(total_tokens, nheads, head_dim)" if varlen else "(batch, seqlen, nheads, head_dim)"
+    optional = (("dout", dout), ("dlse", dlse), ("document_ids", document_ids))
+    for name, t in (("q", q), ("k", k), ("v", v), *((n, t) for n, t in optional if t is not None)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    # The dtypes as ``attention`` takes them (one dtype for q, k and v; integer document_ids), float32 and float64 added:
+    # mixed q, k, v were upcast together into a float32 reference of a call the kernels refuse (the gradient
+    # references cast k and v to q's dtype, also bf16 into fp16), or failed inside einsum naming no argument; float
+    # document_ids were truncated to integers (0.2 and 0.7 one document).
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _REFERENCE_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; the references take torch.float16, torch.bfloat16 (what "
+                            "attention takes), torch.float32 or torch.float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype (as attention requires), got q {q.dtype}, k {k.dtype}, "
+                        f"v {v.dtype}")
+    if document_ids is not None and document_ids.dtype not in _DOCUMENT_ID_DTYPES:
+        raise TypeError(f"document_ids must have an integer dtype (int8/16/32/64, uint8), got {document_ids.dtype}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != rank:
             raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
@@ -154,12 +181,24 @@ def _check_shapes(q, k, v, dout=None, dlse=None, document_ids=None, varlen=False
         _check_document_ids_shape(document_ids, q, k)
 
 
+def _check_options(q, softmax_scale, causal, softcap):
+    """softmax_scale, causal and softcap as ``attention`` checks them (TypeError / ValueError naming the argument);
+    returns (softmax_scale with its default resolved, causal, softcap). The references took any value: a scale of 0
+    (a uniform softmax) or below, a negative or NaN softcap (ignored: ``softcap > 0`` is False), an infinite one (NaN
+    everywhere), True as 1.0, a causal of any truthy value; each a reference for a rule the kernels do not have, which
+    a kernel's test would then be compared with."""
+    softmax_scale = _check_scale(softmax_scale, q.shape[-1])
+    return softmax_scale, _check_causal(causal), _check_softcap(softcap, softmax_scale)
+
+
 def _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k):
     """cu_seqlens as ``attention_varlen`` takes them (1-D, equal lengths, from >= 0, non-decreasing, within the rows);
     returns both as lists. Slicing clips offsets past the rows and the loop ignored extra entries of cu_seqlens_k, so
     such values gave a reference for other sequences than the ones named."""
     values = []
     for name, cu, rows in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
         if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-D integer tensor of length batch + 1, got {cu.dtype} "
                              f"{tuple(cu.shape)}")
@@ -189,14 +228,15 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
     Returns (out in the compute dtype, lse float32 (batch, nheads, seqlen_q)). A row that sees no key gets
     output 0 and LSE -inf. Raises ValueError, naming the argument, for shapes ``attention`` refuses (batch, seqlen_k,
     heads or head_dim that differ, document_ids not (batch, seqlen)): broadcasting them gave a reference for another
-    problem. The gradient references check dout (out's shape) and dlse (the LSE's) the same way.
+    problem. The gradient references check dout (out's shape) and dlse (the LSE's) the same way. Raises TypeError /
+    ValueError, as ``attention`` does, for q, k, v of different dtypes, document_ids of a floating dtype, and
+    softmax_scale, causal or softcap values that ``attention`` refuses (float32 and float64 inputs are taken).
     """
     _check_shapes(q, k, v, document_ids=document_ids)
+    scale, causal, softcap = _check_options(q, softmax_scale, causal, softcap)
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
-    head_dim = q.shape[-1]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     scores = _scores(q, k, scale, causal, window_size, softcap, document_ids)
     fscores = scores if scores.dtype == torch.float64 else scores.float()
     empty = torch.isneginf(fscores).all(dim=-1)
@@ -230,8 +270,17 @@ def assert_close_by_rule(out, ref, ref_naive, name, floor=None):
     The default floor is 1e-5 (float32 outputs) or 1e-4 (others) times max(1, max|ref|).
 
     ref is the float32 reference; ref_naive the same math run in the input dtype, of ref's shape (ValueError
-    otherwise: a broadcast naive error bounds nothing). Infinities must match exactly.
+    otherwise: a broadcast naive error bounds nothing). Infinities must match exactly. A floor given must be a finite
+    real number >= 0 (TypeError / ValueError otherwise: an infinite floor, e.g. one computed from a reference that
+    holds an infinite LSE, passed every output, NaN included in its error bound's place).
     """
+    if floor is not None:
+        if isinstance(floor, bool) or not isinstance(floor, numbers.Real):
+            raise TypeError(f"{name}: floor must be a real number (float or int) or None, got {type(floor).__name__}")
+        if not 0 <= floor < math.inf:  # (a NaN fails both)
+            raise ValueError(f"{name}: floor must be finite and >= 0 (None: the default), got {floor}; an infinite "
+                             "floor bounds nothing (one computed from a reference holding an infinite LSE?)")
+        floor = float(floor)
     if ref_naive.shape != ref.shape:
         raise ValueError(f"{name}: ref_naive has shape {tuple(ref_naive.shape)} but ref has {tuple(ref.shape)}; the "
                          "naive reference must be the same computation as ref, in the input dtype")
@@ -315,16 +364,17 @@ def attention_bwd_ref(
     nothing to dK and dV. Layouts as ``attention_ref``: q (batch, seqlen_q, nheads, head_dim), k and v
     (batch, seqlen_k, nheads_k, head_dim) (GQA/MQA: dK and dV summed over the query heads of each group; v may have
     its own head_dim), dout like the output. upcast=True computes in float32 (float64 stays float64);
-    upcast=False in the input dtype. Returns (dq, dk, dv) in the compute dtype.
+    upcast=False in the input dtype. Returns (dq, dk, dv) in the compute dtype. Refuses, as ``attention_ref``, shapes,
+    dtypes and option values ``attention`` refuses.
     """
     _check_shapes(q, k, v, dout, dlse)
+    alpha, causal, softcap = _check_options(q, softmax_scale, causal, softcap)
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
     dout = dout.to(q.dtype)
     batch, seqlen_k, nheads_k, head_dim = k.shape
     head_dim_v = v.shape[-1]  # may differ from head_dim: dv, dout and o have it
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
-    alpha = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     s = _scores(q, k, alpha, causal, window_size, softcap)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (b, h, q, 1)
     empty = torch.isneginf(lse)
@@ -357,8 +407,11 @@ def attention_varlen_ref(
     int32 (batch + 1). Returns (out (total_q, nheads, head_dim) in the compute dtype, lse float32 (nheads, total_q));
     rows that no sequence covers get output 0 and LSE -inf. Differentiable (autograd flows per sequence). Raises
     ValueError, naming the argument, for shapes and cu_seqlens ``attention_varlen`` refuses (cu_seqlens of different
-    lengths, negative, decreasing or past the rows; any integer dtype is taken)."""
+    lengths, negative, decreasing or past the rows; any integer dtype is taken), and, as ``attention_ref``, TypeError /
+    ValueError for mixed dtypes and option values ``attention_varlen`` refuses (also with no sequence)."""
     _check_shapes(q, k, v, varlen=True)
+    _check_options(q, softmax_scale, causal, softcap)  # (also where no sequence would reach attention_ref's check)
+    _check_window(window_size, causal)
     cq, ck = _check_cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k)
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     total_q, nheads, head_dim = q.shape
