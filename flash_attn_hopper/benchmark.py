@@ -206,8 +206,11 @@ def parse_args(argv=None):
     )
     o.add_argument("--summary", metavar="PATH", default=None, help="write a markdown summary table to PATH")
     args = p.parse_args(argv)
-    if args.threshold < 0:
-        p.error("--threshold must be >= 0")
+    # (a comparison with NaN is False: `threshold < 0` let NaN through, and a NaN or infinite threshold makes every
+    # point "ok", so that the gate passes whatever it measures)
+    if not 0 <= args.threshold < math.inf:
+        p.error(f"--threshold must be a finite fraction >= 0 (0.05: 5% slower fails), got {args.threshold}")
+    _check_sizes(p, args)
     if args.smoke:
         args.seqlens = [256]
         args.tokens = 512
@@ -223,6 +226,36 @@ def parse_args(argv=None):
         if hd <= 0 or args.hidden % hd:
             p.error(f"--hidden {args.hidden} must be a positive multiple of every head dim (got {hd})")
     return args
+
+
+# flash_attn_hopper's head_dim rule (interface.kernel_head_dim is not None), restated here because this module parses
+# its arguments without importing torch; tests/test_bug_reports_twentysecond_cpu.py checks that the two agree.
+HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 8, 256
+
+
+def ours_runs_head_dim(head_dim):
+    """Whether flash_attn_hopper has kernels for head_dim (a multiple of 8 from 8 to 256) in a full build."""
+    return 0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0
+
+
+def _check_sizes(p, args):
+    """The grid's sizes, refused by name at parse time (p.error: exit status 2) instead of failing mid-run: a seqlen of
+    0 divided by zero in run_point after the metadata and the points before it; a negative one, or a --hidden below
+    1, made negative shapes, or points of 0 heads and 0 FLOPs whose ours/peer ratio divided 0 by 0 (a --tokens below 1
+    was taken as batch 1); head dims flash_attn_hopper has no kernel for were recorded as "not in this build
+    (FAH_HDIMS ...)", advice that no build follows."""
+    for flag, values in (("--seqlens", args.seqlens), ("--tokens", [args.tokens]), ("--hidden", [args.hidden])):
+        bad = [x for x in values if x < 1]
+        if bad:
+            p.error(f"{flag} must be >= 1, got {bad[0]}")
+    if args.warmup < 0 or args.rep < 1:
+        p.error(f"--warmup must be >= 0 and --rep >= 1 (milliseconds), got {args.warmup} and {args.rep}")
+    if "ours" in args.backends:
+        bad = [hd for hd in args.head_dims or [] if not ours_runs_head_dim(hd)]
+        if bad:
+            p.error(f"--head-dims: flash_attn_hopper runs head dims that are multiples of {HEAD_DIM_MULTIPLE} from "
+                    f"{HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}, got {bad[0]} (time only the peers with --backends "
+                    "cudnn,fa2)")
 
 
 def grid_specs(args):
@@ -1220,18 +1253,47 @@ def make_doc(meta, args, results, elapsed):
     return {"meta": meta, "config": make_config(args), "elapsed_s": round(elapsed, 1), "results": results}
 
 
+# Non-finite numbers in a record (a check's error or maxdiff is NaN when an output is not finite: the points a record
+# exists to show) are written as these strings: JSON has no NaN or Infinity, and json.dump's default wrote the bare
+# tokens, which JSON.parse, strict parsers and most dashboards refuse (Python's json.load took them). load_record
+# turns the strings back into floats.
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _json_safe(x):
+    """x with every non-finite float (numpy's float64 included) replaced by its _NON_FINITE string."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(float(x))  # "nan", "inf", "-inf"
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _from_json(x):
+    if isinstance(x, str):
+        return _NON_FINITE.get(x, x)
+    if isinstance(x, dict):
+        return {k: _from_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_from_json(v) for v in x]
+    return x
+
+
 def write_json(path, doc):
+    """Writes doc as standard JSON (RFC 8259: no NaN or Infinity tokens; non-finite numbers as "nan", "inf", "-inf")."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+        json.dump(_json_safe(doc), f, indent=1, default=str, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
 
 
 def load_record(path):
     with open(path) as f:
-        doc = json.load(f)
+        doc = _from_json(json.load(f))
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
         raise ValueError(f"{path} is not a benchmark record (no 'results' list)")
     return doc
@@ -1321,6 +1383,10 @@ def _ours(entry):
     t = part.get("tflops", {}).get("ours")
     if t is None:
         return None, f"ours n/a: {part.get('errors', {}).get('ours', 'not measured')}"
+    # A number the gate cannot compare (NaN made every comparison False: the point passed; 0 divided by zero; a
+    # string or bool from a hand-edited record): reported with the points missing on that side, not compared.
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+        return None, f"ours TFLOP/s {t!r} is not a positive finite number"
     return t, None
 
 
@@ -1334,10 +1400,13 @@ def compare_records(current, baseline, threshold=0.05, remeasure=None):
 
     A point is slower when slowdown(baseline, current) > threshold. Slower points are re-measured once through
     remeasure(keys) -> {key: TFLOP/s or None} when given; a point still slower then (or not re-measured) is a
-    regression. Points with a number of ours on one side only are reported in missing_now / missing_base.
+    regression. Points with a number of ours on one side only are reported in missing_now / missing_base (so is a
+    point whose TFLOP/s is not a positive finite number: NaN, 0). threshold: a finite fraction >= 0 (ValueError).
     Returns a dict: threshold, rows (one per point with numbers on both sides), regressions, noise (slower at
     first, fine on re-measure), missing_now, missing_base (lists of (key, reason)), remeasured (bool), notes.
     """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < math.inf:
+        raise ValueError(f"threshold must be a finite fraction >= 0, got {threshold!r}")
     cur, base = _index(current), _index(baseline)
     keys = list(cur) + [k for k in base if k not in cur]
     rows, missing_now, missing_base = [], [], []
@@ -1378,7 +1447,7 @@ def compare_records(current, baseline, threshold=0.05, remeasure=None):
         for r in slower:
             t = again.get(r["key"])
             r["remeasured"] = t
-            if t is not None and slowdown(r["base"], t) <= threshold:
+            if t is not None and 0 < t < math.inf and slowdown(r["base"], t) <= threshold:
                 r["status"] = "noise"
     for r in slower:
         if r["status"] == "slower":
