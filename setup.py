@@ -38,6 +38,10 @@ def _list_knob(name, allowed, cast):
     bad = [x for x in values if x not in allowed]
     if bad:
         sys.exit(f"{name}: {bad} not in {list(allowed)}")
+    if not values:
+        # (e.g. FAH_HDIMS=",": the build went on without a kernel, and every call failed at run time)
+        sys.exit(f"{name}={raw!r} selects nothing: give a comma-separated list from {list(allowed)}, or leave it unset "
+                 "for all")
     return [x for x in allowed if x in values]
 
 
