@@ -142,7 +142,7 @@ def _register_python_kernels():
     @register_fake("flash_attn_hopper::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
                   deterministic, doc_bounds=None):
-        _check_fake_inputs(4, q, k, v, softmax_scale, causal, window_left, window_right, softcap, out, dout, lse)
+        _check_fake_inputs(4, q, k, v, softmax_scale, causal, window_left, window_right, softcap, out, dout, lse, dlse)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     @register_fake("flash_attn_hopper::fwd_varlen")
@@ -154,7 +154,7 @@ def _register_python_kernels():
 
     @register_fake("flash_attn_hopper::bwd_varlen")
     def _bwd_varlen_fake(dout, q, k, v, out, lse, dlse, *args):
-        _check_fake_inputs(3, q, k, v, *args[4:9], out, dout, lse)
+        _check_fake_inputs(3, q, k, v, *args[4:9], out, dout, lse, dlse)
         _check_fake_varlen(q, *args[:4])
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -180,12 +180,13 @@ def _check_fake_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window_right, softcap, out=None, dout=None,
-                       lse=None):
+                       lse=None, dlse=None):
     """The C++ ops' checks (csrc/api/flash_api.cpp: check_attention_inputs, check_qkv, check_score_options) that the
     output shapes and dtypes rest on, with their messages and error type (RuntimeError), for the fake kernels: meta and
     fake tensors never reach the C++ checks, so direct op calls on them (FLOP counting, shape tracing) accepted float32
     inputs or head_dim 60, and a q of the wrong rank failed inside the shape unpacking. Sizes and scalars without a
-    value (symbolic under torch.compile) are left to the real op; the Python functions check everything before that."""
+    value (symbolic under torch.compile) are left to the real op; the Python functions check everything before that.
+    The backward's lse and dlse as the C++ ops check them (sizes, layout, dtype, device)."""
     from .interface import SUPPORTED_DTYPES, kernel_head_dim  # the library's one statement of these rules
 
     def known(*sizes):
@@ -231,9 +232,23 @@ def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window
     if out is not None and known(*out.shape, *dout.shape) and tuple(out.shape) != tuple(dout.shape):
         shape = "(batch, seqlen_q, nheads, head_dim_v)" if rank == 4 else "(total_q, nheads, head_dim_v)"
         raise RuntimeError(f"out and dout must be {shape}: q's shape with v's head_dim")
-    if lse is not None and (lse.dtype != torch.float32 or lse.dim() != rank - 1):
-        shape = "(batch, nheads, seqlen_q)" if rank == 4 else "(nheads, total_q)"
-        raise RuntimeError(f"lse must be the contiguous float32 {shape} tensor of the forward")
+    if lse is not None:
+        # The sizes and layout too, as the C++ ops (a direct backward call, e.g. ring attention's, handed an LSE of
+        # another seqlen or a transposed one passed the fake kernel, to fail only when the real op ran).
+        expected = (q.shape[0], q.shape[2], q.shape[1]) if rank == 4 else (q.shape[1], q.shape[0])
+        wrong = lse.dtype != torch.float32 or lse.dim() != rank - 1
+        if not wrong and known(*lse.shape, *expected) and tuple(lse.shape) != tuple(expected):
+            wrong = True
+        if not wrong and known(*lse.shape, *lse.stride()) and not lse.is_contiguous():
+            wrong = True
+        if wrong:
+            shape = "(batch, nheads, seqlen_q)" if rank == 4 else "(nheads, total_q)"
+            raise RuntimeError(f"lse must be the contiguous float32 {shape} tensor of the forward")
+    if dlse is not None:
+        same_shape = dlse.dim() == lse.dim() and (not known(*dlse.shape, *lse.shape)
+                                                  or tuple(dlse.shape) == tuple(lse.shape))
+        if dlse.device != q.device or dlse.dtype != torch.float32 or not same_shape:
+            raise RuntimeError("dlse must be a float32 tensor of lse's shape on q's device")
 
 
 # help() texts of the ops, whose C++ schemas carry none (a first-time user found `__doc__` None). The Python functions
