@@ -44,6 +44,7 @@ import datetime
 import glob
 import json
 import math
+import numbers
 import os
 import platform
 import socket
@@ -1405,7 +1406,7 @@ def compare_records(current, baseline, threshold=0.05, remeasure=None):
     Returns a dict: threshold, rows (one per point with numbers on both sides), regressions, noise (slower at
     first, fine on re-measure), missing_now, missing_base (lists of (key, reason)), remeasured (bool), notes.
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < math.inf:
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 <= threshold < math.inf:
         raise ValueError(f"threshold must be a finite fraction >= 0, got {threshold!r}")
     cur, base = _index(current), _index(baseline)
     keys = list(cur) + [k for k in base if k not in cur]

@@ -122,7 +122,9 @@ def _scores(q, k, scale, causal, window_size, softcap, document_ids=None):
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    if causal or tuple(window_size) != (-1, -1):
+    # Checked whatever the values: (-1.0, -1.0), an array or a tensor compare equal to (-1, -1), and attention
+    # refuses them.
+    if causal or _check_window(window_size, causal) != (-1, -1):
         mask = local_mask(q.shape[1], k.shape[1], window_size, causal, device=q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
     if document_ids is not None:

@@ -91,6 +91,11 @@ _BAD_OPTIONS = {
     "softcap_bool": dict(softcap=True),
     "causal_none": dict(causal=None),
     "causal_int": dict(causal=1),
+    # (found in the session's final read: the dense references checked window_size only when it differed from
+    # (-1, -1), and these compare equal to it)
+    "window_float": dict(window_size=(-1.0, -1.0)),
+    "window_array": dict(window_size=np.array([-1, -1])),
+    "window_tensor": dict(window_size=torch.tensor([-1, -1])),
 }
 
 
@@ -107,7 +112,8 @@ def _attention_refusal(opts):
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
 def test_references_refuse_the_scalar_options_attention_refuses(layout, option):
     """EQ: every reference raises attention's exception, type and message, for a scale of 0 / below 0 / NaN / bool /
-    tensor, a softcap below 0 / NaN / infinite / bool, a causal that is not a bool. Before the fix each ran (the
+    tensor, a softcap below 0 / NaN / infinite / bool, a causal that is not a bool, a window_size of floats, an array
+    or a tensor equal to (-1, -1). Before the fix each ran (the
     infinite softcap and the NaN scale gave NaN everywhere; the others a finite reference of another rule)."""
     opts = _BAD_OPTIONS[option]
     kind, message = _attention_refusal(opts)
