@@ -93,6 +93,12 @@ def _check_shapes_agree(q, k, v):
         raise ValueError(f"k has head_dim {k.shape[3]} but q has head_dim {head_dim}")
 
 
+def _check_same_dtype(q, k, v):
+    """TypeError unless q, k and v share one dtype (also the rule of flash_attn_hopper.testing's references)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+
 def _check_tensor_args(q, k, v):
     """Shape/dtype/stride checks that need no GPU. Raises TypeError or ValueError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -102,8 +108,7 @@ def _check_tensor_args(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are torch.float16 and torch.bfloat16")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    _check_same_dtype(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
@@ -557,11 +562,16 @@ def _check_document_ids(document_ids, q, k):
     if not isinstance(document_ids, torch.Tensor):
         raise TypeError(f"document_ids must be a torch.Tensor or None, got {type(document_ids).__name__}")
     _check_strided("document_ids", document_ids)
-    if document_ids.dtype not in _DOCUMENT_ID_DTYPES:
-        raise TypeError(f"document_ids must have an integer dtype (int8/16/32/64, uint8), got {document_ids.dtype}")
+    _check_document_ids_dtype(document_ids)
     if document_ids.device != q.device:
         raise ValueError(f"document_ids is on {document_ids.device} but q is on {q.device}; it must be on q's device")
     _check_document_ids_shape(document_ids, q, k)
+
+
+def _check_document_ids_dtype(document_ids):
+    """TypeError unless document_ids has an integer dtype (also the rule of flash_attn_hopper.testing's references)."""
+    if document_ids.dtype not in _DOCUMENT_ID_DTYPES:
+        raise TypeError(f"document_ids must have an integer dtype (int8/16/32/64, uint8), got {document_ids.dtype}")
 
 
 def _check_document_ids_shape(document_ids, q, k):

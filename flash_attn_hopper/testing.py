@@ -17,8 +17,8 @@ import threading
 
 import torch
 
-from .interface import (_DOCUMENT_ID_DTYPES, _check_causal, _check_document_ids_shape, _check_scale,
-                        _check_shapes_agree, _check_softcap, _check_window)
+from .interface import (_check_causal, _check_document_ids_dtype, _check_document_ids_shape, _check_same_dtype,
+                        _check_scale, _check_shapes_agree, _check_softcap, _check_window)
 
 # The dtypes the references compute in: attention's fp16 / bf16, and float32 / float64 for references of higher
 # precision (and for the comparisons' own tests).
@@ -163,11 +163,9 @@ def _check_shapes(q, k, v, dout=None, dlse=None, document_ids=None, varlen=False
         if t.dtype not in _REFERENCE_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; the references take torch.float16, torch.bfloat16 (what "
                             "attention takes), torch.float32 or torch.float64")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype (as attention requires), got q {q.dtype}, k {k.dtype}, "
-                        f"v {v.dtype}")
-    if document_ids is not None and document_ids.dtype not in _DOCUMENT_ID_DTYPES:
-        raise TypeError(f"document_ids must have an integer dtype (int8/16/32/64, uint8), got {document_ids.dtype}")
+    _check_same_dtype(q, k, v)
+    if document_ids is not None:
+        _check_document_ids_dtype(document_ids)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != rank:
             raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
