@@ -32,7 +32,8 @@ PY=${PYTHON:-python3}
 WORKERS=${WORKERS:-4}
 PHASES=${PHASES:-parallel groups}
 MEMORY="tests/test_bug_reports_gpu.py tests/test_bug_reports_seventh_gpu.py tests/test_bug_reports_more_gpu.py
-        tests/test_bug_reports_ninth_gpu.py tests/test_bug_reports_sixth_gpu.py"
+        tests/test_bug_reports_ninth_gpu.py tests/test_bug_reports_sixth_gpu.py
+        tests/test_bug_reports_twentythird_gpu.py"
 TOOLS="tests/test_sanitizer_gpu.py tests/test_bug_reports_thirteenth_gpu.py tests/test_head_dims_gpu.py
        tests/test_head_dim_v_gpu.py tests/test_bwd_gqa_group_gpu.py"
 T0=$(date +%s)
