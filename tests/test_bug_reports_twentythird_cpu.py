@@ -20,6 +20,7 @@ from flash_attn_hopper.testing import assert_close_by_rule, attention_ref
 
 from cpu_stand_ins import ops_on_cpu, stand_ins
 from gpu_helpers import check_attention, check_attention_varlen
+from test_bug_reports_gpu import _leaves
 from test_bug_reports_twentythird_gpu import (V_WIDTH_PAIRS, assert_accumulator_far_past_fp16, check_long_context,
                                               long_context_inputs)
 
@@ -30,11 +31,8 @@ DTYPE_IDS = ["fp16", "bf16"]
 LONG = (1, 9, 40_003, 2, 1, 128)
 
 
-def _leaves(*tensors):
-    return [t.detach().requires_grad_(True) for t in tensors]
-
-
 def _run(q, k, v, dout, **opts):
+    """gpu_helpers.run_attention without its CUDA allocator poisoning (the stand-ins run on the CPU)."""
     leaves = _leaves(q, k, v)
     out, lse = attention(*leaves, return_lse=True, **opts)
     grads = torch.autograd.grad(out, leaves, dout)
