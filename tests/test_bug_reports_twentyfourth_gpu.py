@@ -9,8 +9,8 @@ views wrote instead of adding and kept one contribution per element; pytorch/pyt
 of unfold_backward was wrong for overlapping windows). A kernel or launcher that wrote a gradient through the input's
 own strides, or took a batch offset from seqlen x row stride, fails here.
 FD: zero (and one) rows reaching the ops from a compiled graph whose sizes have no value at trace time (rows or batch
-elements picked by a boolean mask, capture_dynamic_output_shape_ops): the eager guards of a composite are traced away
-and the op itself gets the empty tensors (pytorch/pytorch#195812: CK flash attention aborted with "batch size must be
+elements picked by a boolean mask, capture_dynamic_output_shape_ops): the op itself gets the empty tensors, where a
+library's eager guard in a composite would be traced away (pytorch/pytorch#195812: CK flash attention aborted with "batch size must be
 positive" on the empty batch a compiled graph handed it when no request was routed to a branch; FlashAttention #1159).
 The thirteenth round (class DE) compiled such graphs but ran them on 201 and 90 rows only.
 FE: absorbed-MLA layout, one latent buffer read as K (head_dim 192) and as V (its first 128 columns): v's row stride is
@@ -35,7 +35,9 @@ DTYPE_IDS = ["fp16", "bf16"]
 
 
 def assert_fold(base_grad, parts, name):
-    """base_grad is the sum, element by element, of the view gradients folded back onto the base: parts is a list of
+    """A check of PyTorch's view backward (unfold / as_strided / slice), not of this library, whose gradients are
+    checked per view by the rule: base_grad is the sum, element by element, of the view gradients folded back onto the
+    base, as autograd must form it for the views to be usable as these inputs at all. parts is a list of
     (view_grad, index) where base[index] is the view's memory; the sum is formed in float64 and one rounding to the
     base's dtype is allowed (autograd adds at most two contributions per element here). A contribution dropped or
     written over (Paddle #79718) is off by a whole gradient."""
@@ -168,8 +170,8 @@ def test_compiled_graph_handed_zero_or_one_rows(what, backend):
                 keep[torch.randperm(n, device="cuda")[:kept]] = True
                 out_shape = (batch, kept, 4, head_dim) if what == "rows" else (kept, seqlen, 4, head_dim)
                 dout = randn(*out_shape, dtype=torch.float32)
+                comp = _run(compiled, q, k, v, dout, keep)  # first: a fault must show in the compiled graph
                 eager = _run(fn, q, k, v, dout, keep)
-                comp = _run(compiled, q, k, v, dout, keep)
                 name = f"{what} {backend} {kept} picked"
                 for label, a, b in zip(("out", "lse", "dq", "dk", "dv"), eager, comp):
                     if not (a.shape == b.shape and torch.equal(a, b)):
