@@ -169,7 +169,7 @@ def _twice(return_lse, seed=257):
                 raise AssertionError(f"{which} backward differs from the eager step's")
 
 
-@pytest.mark.parametrize("return_lse", [False, True], ids=["lse_saved_only", "lse_returned"])
+@pytest.mark.parametrize("return_lse", [False, True], ids=["loss_out", "loss_out_lse"])
 def test_compiled_step_twice_passes_a_right_kernel(monkeypatch, return_lse):
     """FH through the stand-ins: both passes are the eager step's bits."""
     with stand_ins(monkeypatch):
@@ -182,7 +182,7 @@ def _bwd_converting_lse_in_place(dout, q, k, v, out, lse, *args, **kwargs):
     return grads
 
 
-@pytest.mark.parametrize("return_lse", [False, True], ids=["lse_saved_only", "lse_returned"])
+@pytest.mark.parametrize("return_lse", [False, True], ids=["loss_out", "loss_out_lse"])
 def test_compiled_step_twice_fails_a_backward_writing_its_saved_lse(monkeypatch, return_lse):
     """FH's check catches a backward op that writes into its saved LSE: the second pass differs."""
     with ops_on_cpu(monkeypatch, {**STAND_INS, "bwd": _bwd_converting_lse_in_place}, "its op schemas"):

@@ -3,22 +3,24 @@
 FF: a CUDA graph captured across several streams: inside ``torch.cuda.graph`` the capture stream forks two side streams
 (``wait_stream``), a dense forward and backward runs on one and a varlen forward and backward on the other, and both
 join back before the capture ends (the multi-stream overlap that serving engines capture). Every launch must go to the
-current stream of its branch: a kernel launched on the legacy default stream or on a stream remembered from another
-call escapes the capture (thu-ml/SageAttention#371: the replayed graph silently kept stale attention outputs;
-huggingface/candle#3596: hard-coded stream 0, a race in multi-stream setups and nothing recorded in a capture), and
-one launched on the capture origin stream instead of its branch is unordered with the branch's inputs. Class A
+current stream of its branch: a kernel launched on the legacy default stream invalidates the capture (CUDA's global
+capture mode raises), one on a stream remembered from another call is not recorded (thu-ml/SageAttention#371: the
+replayed graph silently kept stale attention outputs; huggingface/candle#3596: hard-coded stream 0, a race in
+multi-stream setups and nothing recorded in a capture), and one on the capture origin stream instead of its branch
+is unordered with the branch's own earlier work (its forward's out and LSE), a race that may not show every run. Class A
 captured on one stream, class 25 and Y ran side streams eagerly.
 FG: autograd's streaming backward: the forward runs on stream A, the backward is called from stream B, where dO and
 dLSE are written late (B held busy first) and where the gradients are read right after, without a synchronisation.
 The engine runs the op's backward on A after making A wait for B, and makes B wait for A before returning
 (pytorch/pytorch#7601, #8354, #45787, #47028, #59844 / #60127, the engine's own bugs at each step). The library's
-backward must launch on the stream the engine makes current (not the caller's, not the default one, not one kept
-from the forward's call) and allocate there. Class 25 ran forward and backward on one side stream.
-FH: a torch.compile'd training step differentiated twice (``retain_graph=True``): AOTAutograd marks saved activations
-that are not outputs (the LSE when return_lse=False) as donated buffers that the compiled backward may reuse
-(pytorch/pytorch#129496, #130580, #131038, #139669); a second backward then needs PyTorch's refusal naming donated
-buffers, or (with donation off) the same gradients as the first. A backward op that writes into its saved out or LSE
-(a log2 conversion in place), hidden from the graph by its schema, gives a different second backward.
+backward must launch on the stream the engine makes current and allocate there: a launch on the legacy default
+stream or on a library-private stream reads dO before the late writes (a launch on the caller's stream B would still
+see them, so this test does not catch that one). Class 25 ran forward and backward on one side stream.
+FH: a torch.compile'd training step differentiated twice (``retain_graph=True``): AOTAutograd may mark saved
+activations that are not outputs as donated buffers that the compiled backward reuses (pytorch/pytorch#129496,
+#130580, #131038, #139669); it compiles the backward at its first call and, when that call retains the graph, donates
+nothing, so the second backward must give the first's gradients again. A backward op that writes into its saved out
+or LSE (a log2 conversion in place), hidden from the graph by its schema, gives a different second backward.
 
 Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py: "no CUDA GPU: GPU tests need an sm90
 GPU (H100/H200)"), and per test when the build lacks the head_dim / dtype."""
@@ -82,8 +84,8 @@ def test_cuda_graph_captured_across_forked_streams():
     backward on the second, and both join back. After a warm-up of the same forked step, the graph is replayed twice
     with fresh values in the static inputs (outputs NaN-filled before each replay): the dense branch's out, LSE, dQ,
     dK, dV bit for bit those of the eager deterministic call on the same values, and by the rule; the varlen branch's
-    by the rule, rows that see no key 0. A launch that escaped the capture or its branch leaves NaN or the previous
-    replay's values."""
+    by the rule, rows that see no key 0. A launch on the legacy default stream fails the capture itself; one not
+    recorded, or unordered within its branch, leaves NaN or the previous replay's values."""
     head_dim = DENSE[-1]
     dtype = built_dtype(head_dim)
     dense = list(attention_inputs(*DENSE, dtype)) + [randn(DENSE[0], DENSE[3], DENSE[1], dtype=torch.float32)]
@@ -144,8 +146,9 @@ def test_backward_called_from_another_stream_with_late_output_gradients(how):
     stream A; from stream B, held busy, dO and dLSE are written into buffers that held other values, the backward is
     called (torch.autograd.grad: gradients out of place; .backward(): accumulated into .grad) and its gradients are
     copied on B at once. The copies, read after a device synchronisation, are bit for bit the gradients of the same
-    call run on one stream, and right by the rule: a backward launched before the late writes (another stream than the
-    engine's), or read on B before it finished, gives the stale dO's gradients or NaN."""
+    call run on one stream, and right by the rule: a backward launched on the legacy default stream or a
+    library-private stream (before the late writes), or read on B before it finished, gives the stale dO's gradients
+    or NaN."""
     head_dim = DENSE[-1]
     dtype = built_dtype(head_dim)
     q, k, v, dout = attention_inputs(*DENSE, dtype)
@@ -203,15 +206,15 @@ def test_varlen_backward_called_from_another_stream():
 # ------------------------------------------------------------ FH: a compiled step differentiated twice (retain_graph)
 
 
-@pytest.mark.parametrize("return_lse", [False, True], ids=["lse_saved_only", "lse_returned"])
+@pytest.mark.parametrize("return_lse", [False, True], ids=["loss_out", "loss_out_lse"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_step_differentiated_twice(backend, return_lse):
     """FH (PyTorch #129496, #130580, #139669): torch.compile(fullgraph=True) of a causal GQA 4/2 step (deterministic)
     whose loss reads out (and the LSE when returned); two backward passes through one graph, the first with
-    retain_graph=True. Either PyTorch refuses the retained graph naming donated buffers (the LSE saved but not returned
-    is a donated activation under inductor), after which the same is run with torch._functorch.config.donated_buffer
-    off, or both passes run: then both are bit for bit the eager step's gradients (deterministic), which are right by
-    the rule. A backward op that writes into its saved out or LSE gives a different second pass."""
+    retain_graph=True. PyTorch compiles the backward at its first call, and with retain_graph=True it does so
+    without donated buffers (#129496's refusal then never arises; out and LSE are both saved, neither is an output of
+    the step), so both passes must be bit for bit the eager step's gradients (deterministic), which are right by the
+    rule. A backward op that writes into its saved out or LSE gives a different second pass."""
     head_dim = DENSE[-1]
     dtype = built_dtype(head_dim)
     q, k, v, dout = attention_inputs(*DENSE, dtype)
@@ -228,23 +231,13 @@ def test_compiled_step_differentiated_twice(backend, return_lse):
     out, lse = attention(q, k, v, causal=True, return_lse=True, deterministic=True)
     check_attention(out, lse, want, q, k, v, dout, "eager step", dlse=dlse if return_lse else None, causal=True)
 
-    def run(donated):
-        torch._dynamo.reset()
-        with torch._functorch.config.patch(donated_buffer=donated):
-            compiled = torch.compile(step, backend=backend, fullgraph=True)
-            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-            loss = compiled(*leaves)
-            first = torch.autograd.grad(loss, leaves, retain_graph=True)
-            second = torch.autograd.grad(loss, leaves)
-        return first, second
-
+    torch._dynamo.reset()
     try:
-        try:
-            first, second = run(donated=True)
-        except RuntimeError as e:
-            if "donated" not in str(e):
-                raise
-            first, second = run(donated=False)
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        loss = compiled(*leaves)
+        first = torch.autograd.grad(loss, leaves, retain_graph=True)
+        second = torch.autograd.grad(loss, leaves)
     finally:
         torch._dynamo.reset()
     for which, grads in (("first", first), ("second", second)):
