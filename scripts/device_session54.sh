@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 54's first device call (one warm machine, under 600 s), after session 53 got none: the GPU files the
-# submitted tree has never run (the twentieth, twenty-first, twenty-third and, since session 55, twenty-fourth
+# submitted tree has never run (the twentieth, twenty-first, twenty-third and, since session 55, twenty-fourth / -fifth
 # bug-report rounds, test_compile_gpu.py with EY's fake-kernel checks) on S52 (the head's C++), then the head_dim 128
 # A/B of S52 against DQ1 (dQ on one consumer warpgroup, branch dq1wg) and DQ1K (dK first), 2 rounds at 4096 / 16384,
 # then the grid on S52.
@@ -16,7 +16,7 @@ T0=$(date +%s)
 FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/S52/build.log timeout ${TESTS_S:-230} python3 -m pytest -q \
   -p no:cacheprovider -n 4 --dist loadfile tests/test_bug_reports_twentieth_gpu.py \
   tests/test_bug_reports_twentyfirst_gpu.py tests/test_bug_reports_twentythird_gpu.py \
-  tests/test_bug_reports_twentyfourth_gpu.py tests/test_compile_gpu.py --timeout 150 --timeout-method thread \
+  tests/test_bug_reports_twentyfourth_gpu.py tests/test_bug_reports_twentyfifth_gpu.py tests/test_compile_gpu.py --timeout 150 --timeout-method thread \
   --junitxml="$OUT/tests_junit.xml" > "$OUT/tests.txt" 2>&1
 echo "tests rc $? ($(tail -n 1 "$OUT/tests.txt")) +$(( $(date +%s) - T0 ))s"
 CASES="S52;DQ1;DQ1K" DIRECTION=bwd ROUNDS=2 TAG=dq1 OUT=$OUT BENCH_TIMEOUT=60 \
