@@ -23,7 +23,7 @@ from flash_attn_hopper import attention
 
 from cpu_stand_ins import STAND_INS, bwd_stand_in, fwd_stand_in, ops_on_cpu, stand_ins
 from gpu_helpers import check_attention, check_attention_varlen
-from test_bug_reports_twentyfifth_gpu import LK, LQ, _assert_bits, _dense_step, _raw, _varlen_step
+from test_bug_reports_twentyfifth_gpu import LK, LQ, _assert_bits, _dense_step, _loss_step, _raw, _varlen_step
 
 DTYPE = torch.bfloat16
 
@@ -146,12 +146,7 @@ def _twice(return_lse, seed=257):
     bit for bit the eager step's gradients, else AssertionError."""
     q, k, v, dout, dlse = _dense(seed)
 
-    def step(q, k, v):
-        if return_lse:
-            out, lse = attention(q, k, v, causal=True, return_lse=True, deterministic=True)
-            return (out * dout).sum() + (lse * dlse).sum()
-        return (attention(q, k, v, causal=True, deterministic=True) * dout).sum()
-
+    step = _loss_step(return_lse, dout, dlse)
     eager_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     want = torch.autograd.grad(step(*eager_leaves), eager_leaves)
     torch._dynamo.reset()

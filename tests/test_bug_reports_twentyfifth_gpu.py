@@ -206,6 +206,16 @@ def test_varlen_backward_called_from_another_stream():
 # ------------------------------------------------------------ FH: a compiled step differentiated twice (retain_graph)
 
 
+def _loss_step(return_lse, dout, dlse):
+    """FH's step: the scalar loss <out, dout> (+ <lse, dlse> when return_lse) of a causal deterministic call."""
+    def step(q, k, v):
+        if return_lse:
+            out, lse = attention(q, k, v, causal=True, return_lse=True, deterministic=True)
+            return (out * dout).sum() + (lse * dlse).sum()
+        return (attention(q, k, v, causal=True, deterministic=True) * dout).sum()
+    return step
+
+
 @pytest.mark.parametrize("return_lse", [False, True], ids=["loss_out", "loss_out_lse"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_step_differentiated_twice(backend, return_lse):
@@ -220,12 +230,7 @@ def test_compiled_step_differentiated_twice(backend, return_lse):
     q, k, v, dout = attention_inputs(*DENSE, dtype)
     dlse = randn(DENSE[0], DENSE[3], DENSE[1], dtype=torch.float32)
 
-    def step(q, k, v):
-        if return_lse:
-            out, lse = attention(q, k, v, causal=True, return_lse=True, deterministic=True)
-            return (out * dout).sum() + (lse * dlse).sum()
-        return (attention(q, k, v, causal=True, deterministic=True) * dout).sum()
-
+    step = _loss_step(return_lse, dout, dlse)
     eager_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     want = torch.autograd.grad(step(*eager_leaves), eager_leaves)
     out, lse = attention(q, k, v, causal=True, return_lse=True, deterministic=True)

@@ -21,7 +21,8 @@ from flash_attn_hopper import attention, attention_varlen
 
 from cpu_stand_ins import STAND_INS, bwd_stand_in, fwd_stand_in, ops_on_cpu, stand_ins
 from gpu_helpers import check_attention, check_attention_varlen
-from test_bug_reports_twentyfourth_gpu import _chunked, _overlapping_heads, _picked_batch, _picked_rows, assert_fold
+from test_bug_reports_twentyfourth_gpu import (_chunked, _overlapping_heads, _picked_batch, _picked_rows, _run,
+                                              assert_fold)
 
 DTYPE = torch.bfloat16
 
@@ -121,14 +122,6 @@ def test_fold_check_catches_a_dropped_contribution():
 # ----------------------------------------------------------------------- FD: zero / one rows from a compiled graph
 
 
-def _run(fn, q, k, v, dout, keep):
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out, lse = fn(*leaves, keep)
-    grads = torch.autograd.grad((out.float() * dout).sum() + lse.sum(), leaves, allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
-    return (out.detach(), lse.detach(), *grads)
-
-
 def _compiled_picks(what, counts):
     """Runs the GPU test's construction on the CPU (smaller): compiled (aot_eager, fullgraph) against eager for each
     picked count; raises AssertionError on a difference, a wrong shape, a nonzero gradient for none picked, or a
@@ -182,7 +175,7 @@ def _fwd_refusing_empty(q, *args, **kwargs):
 
 @pytest.mark.parametrize("what", ["rows", "batch"])
 def test_compiled_zero_rows_fail_a_forward_refusing_empty_input(monkeypatch, what):
-    """FD's run catches the fault of PyTorch #195812 (an op that aborts on the empty batch a compiled graph hands it)."""
+    """FD's run catches the fault of PyTorch #195812 (an op aborting on the empty batch a compiled graph hands it)."""
     with ops_on_cpu(monkeypatch, {**STAND_INS, "fwd": _fwd_refusing_empty}, "its op schemas"):
         with pytest.raises(RuntimeError, match="positive"):
             _compiled_picks(what, (3, 0))

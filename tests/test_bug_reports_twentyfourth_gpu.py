@@ -10,8 +10,9 @@ of unfold_backward was wrong for overlapping windows). A kernel or launcher that
 own strides, or took a batch offset from seqlen x row stride, fails here.
 FD: zero (and one) rows reaching the ops from a compiled graph whose sizes have no value at trace time (rows or batch
 elements picked by a boolean mask, capture_dynamic_output_shape_ops): the op itself gets the empty tensors, where a
-library's eager guard in a composite would be traced away (pytorch/pytorch#195812: CK flash attention aborted with "batch size must be
-positive" on the empty batch a compiled graph handed it when no request was routed to a branch; FlashAttention #1159).
+library's eager guard in a composite would be traced away (pytorch/pytorch#195812: CK flash attention aborted with
+"batch size must be positive" on the empty batch a compiled graph handed it when no request was routed to a branch;
+FlashAttention #1159).
 The thirteenth round (class DE) compiled such graphs but ran them on 201 and 90 rows only.
 FE: absorbed-MLA layout, one latent buffer read as K (head_dim 192) and as V (its first 128 columns): v's row stride is
 k's width, not head_dim_v, and v overlaps k in memory (ikawrakow/ik_llama.cpp#2031: the flash-attention vec kernel
