@@ -181,19 +181,24 @@ def _check_fwd_tiles_compiling(batch, nheads, seqlen_q, rows_k, max_seqlen_k, na
     _check_max_seqlen), or a size be unbacked (``attention``: rows picked by a mask, see _over), and a Python
     comparison on it would need its value at trace time. What the trace can decide raises the ValueError as in eager;
     the rest becomes a runtime assertion of the graph (with the tile count unknown too, a launch is assumed: a call
-    past the limit with no keys is refused at run time)."""
+    past the limit with no keys is refused at run time).
+    seqlen_q: the rows per sequence, or a tuple of bounds on them whose smallest the launcher covers (varlen:
+    max_seqlen_q and q's rows). Each bound is compared alone, never their min: a guard on min(max_seqlen_q, q's rows)
+    came back from torch 2.11's FX graph cache as `max_q < q.size()[0]`, a recompile for the first call whose maximum
+    reached the rows (one sequence), which a cold compile did not make."""
     if _guard_or_false(rows_k == 0) or _guard_or_false(max_seqlen_k == 0):
         return  # no launch
-    tiles = -(-seqlen_q // _FWD_TILE_ROWS) * nheads * batch
+    bounds = seqlen_q if isinstance(seqlen_q, tuple) else (seqlen_q,)
+    tiles = [-(-b // _FWD_TILE_ROWS) * nheads * batch for b in bounds]  # the launch's count is the smallest
     message = lambda: (  # noqa: E731 (torch.compile takes the message of torch._check only from a local function)
         "flash_attn_hopper: more than 2^31 - 1025 forward tiles (batch or sequences x nheads x query row blocks; "
         "int32 tile numbers): split the call")
-    if _guard_or_false(tiles > _MAX_FWD_TILES):
+    if all(_guard_or_false(t > _MAX_FWD_TILES) for t in tiles):
         if _guard_or_false(rows_k > 0) and _guard_or_false(max_seqlen_k > 0):
-            _check_fwd_tiles(batch, nheads, seqlen_q, names)  # raises
+            _check_fwd_tiles(batch, nheads, min(bounds), names)  # raises
         torch._check(min(rows_k, max_seqlen_k) <= 0, message)  # then only a call without keys passes
-    elif not _guard_or_false(tiles <= _MAX_FWD_TILES):
-        torch._check(tiles <= _MAX_FWD_TILES, message)
+    elif not any(_guard_or_false(t <= _MAX_FWD_TILES) for t in tiles):
+        torch._check(min(tiles) <= _MAX_FWD_TILES, message)
 
 
 def _check_devices(named_devices):
@@ -961,7 +966,7 @@ def attention_varlen(
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 _check_cu_seqlens_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if torch.compiler.is_compiling():
-            _check_fwd_tiles_compiling(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),
+            _check_fwd_tiles_compiling(cu_seqlens_q.numel() - 1, q.shape[1], (max_seqlen_q, q.shape[0]),
                                        k.shape[0], max_seqlen_k, tile_names + ("min(max_seqlen_q, q's rows)",))
         else:  # torch.jit.trace (q.shape[0] is a tensor there), make_fx / AOTAutograd / functionalize, a capture
             _check_fwd_tiles(cu_seqlens_q.numel() - 1, q.shape[1], min(max_seqlen_q, q.shape[0]),

@@ -380,6 +380,39 @@ def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
     assert _op_graphs(counter) == 1, f"{_op_graphs(counter)} graphs for 7 maxima"
 
 
+def test_compiled_varlen_reaching_the_rows_reuses_a_cached_graph(cpu_ops, tmp_path, monkeypatch):
+    """Inductor, dynamic=True: the first call's max_seqlen is below q's rows, later ones reach them (one sequence) or
+    pass them (a loose bound). Compiled twice (torch._dynamo.reset between), the second time from the FX graph cache
+    of the first (an empty cache directory of its own): one graph with the op each time. The varlen tile check under
+    compile guarded on min(max_seqlen_q, q's rows); torch 2.11's cache hit brought that back as `max_q < q.size()[0]`
+    and the call that reached the rows recompiled (session 55, an H100 run of test_compile_gpu.py with a warm cache).
+    Found with torch 2.11 (the GPU machines'); torch 2.14 (CI's) did not recompile either way."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _needs_compiler("inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def f(q, k, v, cu_q, cu_k, max_q, max_k):
+        return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True, deterministic=True)
+
+    batches = [([77, 130, 5], [10, 200, 60], 130, 200), ([300, 1], [129, 1], 300, 129), ([100], [100], 100, 100),
+               ([17, 57], [30, 33], 2048, 4096)]
+    for compile_pass in ("cold", "cached"):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+        with torch._inductor.config.patch(fx_graph_cache=True):
+            for lengths_q, lengths_k, max_q, max_k in batches:
+                cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                              for n in (lengths_q, lengths_k))
+                base = [torch.randn(sum(n), 3, 64).half() for n in (lengths_q, lengths_k, lengths_k)]
+                leaves = [t.clone().requires_grad_(True) for t in base]
+                out, lse = compiled(*leaves, cu_q, cu_k, max_q, max_k)
+                torch.autograd.grad((out, lse), leaves, (torch.randn_like(out), torch.randn_like(lse)))
+        assert _op_graphs(counter) == 1, f"{compile_pass}: {_op_graphs(counter)} graphs for {len(batches)} maxima"
+    torch._dynamo.reset()
+
+
 def _op_graphs(counter):
     """Graphs handed to the backend that call a flash_attn_hopper op (torch 2.14 also compiles an empty graph beside the
     function's graph in test_compiled_varlen_new_max_seqlen_reuses_the_graph; a recompile is a second graph with the

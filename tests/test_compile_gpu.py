@@ -140,13 +140,18 @@ def test_compile_varlen_fullgraph():
     assert torch.equal(compiled(q, k, v), f(q, k, v))
 
 
-def test_compile_varlen_new_max_seqlen_one_graph():
+@pytest.mark.parametrize("compile_pass", ["cold", "cached"])
+def test_compile_varlen_new_max_seqlen_one_graph(compile_pass, tmp_path_factory, monkeypatch):
     """torch.compile(dynamic=True, fullgraph=True) with inductor, a new max_seqlen_q/k on every call (the longest
-    sequence of each batch, as a collator passes it, and once bounds past the token totals): one graph for every
-    maximum (the varlen ops take them as SymInt), and out, LSE, dQ, dK, dV are the eager call's bit for bit
-    (deterministic=True, so dQ's order is fixed)."""
+    sequence of each batch, as a collator passes it, one reaching q's rows, and once bounds past the token totals):
+    one graph for every maximum (the varlen ops take them as SymInt), and out, LSE, dQ, dK, dV are the eager call's
+    bit for bit (deterministic=True, so dQ's order is fixed). "cached" compiles from the FX graph cache that "cold"
+    filled (one cache directory for both): with torch 2.11, a guard on min(max_seqlen_q, q's rows) came back from
+    the cache as `max_q < q.size()[0]` and the call reaching the rows recompiled (session 55, an H100 with a warm
+    cache; tests/test_bug_reports_ninth_cpu.py has the CPU case)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "varlen_max_seqlen_cache"))
     head_dim, dtype = _built_head_dim()
     counter = CompileCounterWithBackend("inductor")
 
