@@ -9,6 +9,7 @@ import glob
 import math
 import mmap
 import os
+import struct
 import warnings
 
 import torch
@@ -179,6 +180,38 @@ def _check_fake_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise RuntimeError("max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
 
 
+_LOG2E = 1.4426950408889634  # M_LOG2E
+
+
+def _float32(x):
+    """x rounded to float32 (inf past its range), as the C++ ops' float(x)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _normal32(x):
+    return math.isfinite(x) and abs(x) >= 2.0 ** -126
+
+
+def _check_float32_scales(softmax_scale, softcap):
+    """The C++ ops' float32 checks of the scales (csrc/api/flash_api.cpp), for the fake kernels: a direct op call under
+    torch.compile, make_fx or on meta tensors with a scale that is finite but no normal float32 passed the trace, to
+    fail only when the real op ran. (``attention`` refuses these earlier, with a ValueError.)"""
+    scale32 = _float32(softmax_scale)
+    if not (_normal32(scale32) and scale32 > 0 and _normal32(_float32(scale32 * _LOG2E))):
+        raise RuntimeError("softmax_scale must be a positive normal float32 value, also times log2(e), got "
+                           f"{softmax_scale}")
+    if softcap != 0 and not _normal32(_float32(softmax_scale / softcap)):
+        raise RuntimeError("softmax_scale / softcap must be a normal float32 value")
+    exp_scale = softcap if softcap > 0 else softmax_scale
+    exp_scale_log2 = _float32(_float32(exp_scale) * _LOG2E)
+    if not (_normal32(exp_scale_log2) and exp_scale_log2 > 0):
+        raise RuntimeError(f"{'softcap' if softcap > 0 else 'softmax_scale'} times log2(e) must be a positive normal "
+                           f"float32 value, got {exp_scale}")
+
+
 def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window_right, softcap, out=None, dout=None,
                        lse=None, dlse=None):
     """The C++ ops' checks (csrc/api/flash_api.cpp: check_attention_inputs, check_qkv, check_score_options) that the
@@ -229,6 +262,8 @@ def _check_fake_inputs(rank, q, k, v, softmax_scale, causal, window_left, window
                                f"{window_right})")
     if isinstance(softcap, (int, float)) and not (math.isfinite(softcap) and softcap >= 0):
         raise RuntimeError(f"softcap must be finite and >= 0, got {softcap}")
+    if isinstance(softmax_scale, (int, float)) and isinstance(softcap, (int, float)):
+        _check_float32_scales(float(softmax_scale), float(softcap))
     if out is not None and known(*out.shape, *dout.shape) and tuple(out.shape) != tuple(dout.shape):
         shape = "(batch, seqlen_q, nheads, head_dim_v)" if rank == 4 else "(total_q, nheads, head_dim_v)"
         raise RuntimeError(f"out and dout must be {shape}: q's shape with v's head_dim")

@@ -54,6 +54,14 @@ _DENSE_BAD = [
     ("window_left_-5", {}, 0.1, False, -5, -1, 0.0, "window_size entries must be >= -1"),
     ("causal_right_3", {}, 0.1, True, -1, 3, 0.0, "causal=True fixes the window's right side at 0"),
     ("negative_softcap", {}, 0.1, False, -1, -1, -1.0, "softcap must be finite and >= 0"),
+    # float32 rounding, as the C++ ops (a first-time-user trial, session 55: the fakes passed these)
+    ("scale_1e39", {}, 1e39, False, -1, -1, 0.0, "softmax_scale must be a positive normal float32 value"),
+    ("scale_1e-50", {}, 1e-50, False, -1, -1, 0.0, "softmax_scale must be a positive normal float32 value"),
+    ("scale_subnormal", {}, 2.0 ** -127, False, -1, -1, 0.0, "softmax_scale must be a positive normal float32 value"),
+    ("scale_3e38_times_log2e", {}, 3e38, False, -1, -1, 0.0,
+     "softmax_scale must be a positive normal float32 value, also times log2(e)"),
+    ("softcap_1e300", {}, 0.1, False, -1, -1, 1e300, "softmax_scale / softcap must be a normal float32 value"),
+    ("softcap_1e-45", {}, 1e-30, False, -1, -1, 1e-45, "softcap times log2(e) must be a positive normal float32"),
 ]
 
 
