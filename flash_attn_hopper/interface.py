@@ -185,7 +185,9 @@ def _check_fwd_tiles_compiling(batch, nheads, seqlen_q, rows_k, max_seqlen_k, na
     seqlen_q: the rows per sequence, or a tuple of bounds on them whose smallest the launcher covers (varlen:
     max_seqlen_q and q's rows). Each bound is compared alone, never their min: a guard on min(max_seqlen_q, q's rows)
     came back from torch 2.11's FX graph cache as `max_q < q.size()[0]`, a recompile for the first call whose maximum
-    reached the rows (one sequence), which a cold compile did not make."""
+    reached the rows (one sequence), which a cold compile did not make. The guard is now on max_seqlen_q's tile count
+    alone, so a loose bound past about 2^31 x 128 / (sequences x nheads) recompiles once (a guard on the rows instead
+    would recompile ordinary packed batches)."""
     if _guard_or_false(rows_k == 0) or _guard_or_false(max_seqlen_k == 0):
         return  # no launch
     bounds = seqlen_q if isinstance(seqlen_q, tuple) else (seqlen_q,)

@@ -387,6 +387,7 @@ def test_compiled_varlen_reaching_the_rows_reuses_a_cached_graph(cpu_ops, tmp_pa
     compile guarded on min(max_seqlen_q, q's rows); torch 2.11's cache hit brought that back as `max_q < q.size()[0]`
     and the call that reached the rows recompiled (session 55, an H100 run of test_compile_gpu.py with a warm cache).
     Found with torch 2.11 (the GPU machines'); torch 2.14 (CI's) did not recompile either way."""
+    import torch._inductor.config
     from torch._dynamo.testing import CompileCounterWithBackend
 
     _needs_compiler("inductor")

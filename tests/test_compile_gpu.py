@@ -140,49 +140,56 @@ def test_compile_varlen_fullgraph():
     assert torch.equal(compiled(q, k, v), f(q, k, v))
 
 
-@pytest.mark.parametrize("compile_pass", ["cold", "cached"])
-def test_compile_varlen_new_max_seqlen_one_graph(compile_pass, tmp_path_factory, monkeypatch):
+def test_compile_varlen_new_max_seqlen_one_graph(tmp_path, monkeypatch):
     """torch.compile(dynamic=True, fullgraph=True) with inductor, a new max_seqlen_q/k on every call (the longest
     sequence of each batch, as a collator passes it, one reaching q's rows, and once bounds past the token totals):
     one graph for every maximum (the varlen ops take them as SymInt), and out, LSE, dQ, dK, dV are the eager call's
-    bit for bit (deterministic=True, so dQ's order is fixed). "cached" compiles from the FX graph cache that "cold"
-    filled (one cache directory for both): with torch 2.11, a guard on min(max_seqlen_q, q's rows) came back from
-    the cache as `max_q < q.size()[0]` and the call reaching the rows recompiled (session 55, an H100 with a warm
-    cache; tests/test_bug_reports_ninth_cpu.py has the CPU case)."""
+    bit for bit (deterministic=True, so dQ's order is fixed). Compiled twice, in an FX graph cache directory of its
+    own: cold, then (after torch._dynamo.reset) from the cache the first filled. With torch 2.11, a guard on
+    min(max_seqlen_q, q's rows) came back from the cache as `max_q < q.size()[0]` and the call reaching the rows
+    recompiled (session 55, an H100 with a warm cache; tests/test_bug_reports_ninth_cpu.py has the CPU case)."""
+    import torch._inductor.config
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "varlen_max_seqlen_cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     head_dim, dtype = _built_head_dim()
-    counter = CompileCounterWithBackend("inductor")
 
     def f(q, k, v, cu_q, cu_k, max_q, max_k):
         return flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True,
                                                   deterministic=True)
 
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
     # (lengths_q, lengths_k, max_seqlen_q, max_seqlen_k): the longest sequences, once bounds past the token totals
     batches = [([77, 130, 5], [10, 200, 60], 130, 200), ([300, 1], [129, 1], 300, 129),
                ([0, 513, 64, 2], [700, 513, 0, 3], 513, 700), ([1000], [1000], 1000, 1000),
                ([17, 257], [300, 33], 2048, 4096)]
-    for lengths_q, lengths_k, max_q, max_k in batches:
-        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-                      for n in (lengths_q, lengths_k))
-        # 3 heads: no size of the first call equal to another (dynamo would tie them and recompile when they part)
-        base = [torch.randn(sum(n), 3, head_dim, device="cuda", dtype=dtype) for n in (lengths_q, lengths_k,
-                                                                                         lengths_k)]
-        dout = torch.randn_like(base[0])
-        dlse = torch.randn(3, sum(lengths_q), device="cuda")
-        runs = []
-        for fn in (compiled, f):
-            leaves = [t.clone().requires_grad_(True) for t in base]
-            out, lse = fn(*leaves, cu_q, cu_k, max_q, max_k)
-            grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
-            runs.append((out, lse, *grads))
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
-            assert torch.equal(a, b), f"lengths {lengths_q}/{lengths_k}: compiled {name} != eager"
-    op_graphs = sum("flash_attn_hopper" in g.code for g in counter.graphs)  # (torch 2.14 adds an empty graph on CPU)
-    assert op_graphs == 1, f"{op_graphs} graphs for {len(batches)} maxima"
+    try:
+        for compile_pass in ("cold", "cached"):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("inductor")
+            compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+            with torch._inductor.config.patch(fx_graph_cache=True):
+                for lengths_q, lengths_k, max_q, max_k in batches:
+                    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                                               device="cuda") for n in (lengths_q, lengths_k))
+                    # 3 heads: no size of the first call equal to another (dynamo would tie them and recompile when
+                    # they part)
+                    base = [torch.randn(sum(n), 3, head_dim, device="cuda", dtype=dtype)
+                            for n in (lengths_q, lengths_k, lengths_k)]
+                    dout = torch.randn_like(base[0])
+                    dlse = torch.randn(3, sum(lengths_q), device="cuda")
+                    runs = []
+                    for fn in (compiled, f):
+                        leaves = [t.clone().requires_grad_(True) for t in base]
+                        out, lse = fn(*leaves, cu_q, cu_k, max_q, max_k)
+                        grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+                        runs.append((out, lse, *grads))
+                    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+                        assert torch.equal(a, b), (f"{compile_pass}: lengths {lengths_q}/{lengths_k}: compiled "
+                                                   f"{name} != eager")
+            op_graphs = sum("flash_attn_hopper" in g.code for g in counter.graphs)  # (2.14 adds an empty graph)
+            assert op_graphs == 1, f"{compile_pass}: {op_graphs} graphs for {len(batches)} maxima"
+    finally:
+        torch._dynamo.reset()
 
 
 # The exponent's scale times log2(e) reaches the kernels as a float32 that must be normal and positive: the ops

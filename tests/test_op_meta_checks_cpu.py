@@ -114,6 +114,8 @@ _RANK3_MESSAGES = ("q, k, v " + _RANK3, "q, k, v, out, dout " + _RANK3)  # fwd_v
     ("head_dim_40_k", (40, 4, 64), (40, 4, 40), 0.1, -1, 0.0, "k must have head_dim 64, got 40"),
     ("window_right_-2", (40, 4, 64), (40, 4, 64), 0.1, -2, 0.0, "window_size entries must be >= -1"),
     ("inf_softcap", (40, 4, 64), (40, 4, 64), 0.1, -1, float("inf"), "softcap must be finite and >= 0"),
+    ("scale_1e39", (40, 4, 64), (40, 4, 64), 1e39, -1, 0.0, "softmax_scale must be a positive normal float32 value"),
+    ("softcap_1e300", (40, 4, 64), (40, 4, 64), 0.1, -1, 1e300, "softmax_scale / softcap must be a normal float32"),
 ], ids=lambda c: c[0])
 def test_varlen_ops_on_meta_raise_the_ops_error(case):
     """As the C++ varlen ops: ranks are checked first (a float32 rank-4 q gets the rank's message), then the rest."""
