@@ -23,7 +23,8 @@ from flash_attn_hopper import attention
 
 from cpu_stand_ins import STAND_INS, bwd_stand_in, fwd_stand_in, ops_on_cpu, stand_ins
 from gpu_helpers import check_attention, check_attention_varlen
-from test_bug_reports_twentyfifth_gpu import LK, LQ, _assert_bits, _dense_step, _loss_step, _raw, _varlen_step
+from test_bug_reports_twentyfifth_gpu import (LK, LQ, _assert_bits, _compiled_twice, _dense_step, _loss_step, _raw,
+                                             _varlen_step)
 
 DTYPE = torch.bfloat16
 
@@ -149,15 +150,7 @@ def _twice(return_lse, seed=257):
     step = _loss_step(return_lse, dout, dlse)
     eager_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     want = torch.autograd.grad(step(*eager_leaves), eager_leaves)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        loss = compiled(*leaves)
-        first = torch.autograd.grad(loss, leaves, retain_graph=True)
-        second = torch.autograd.grad(loss, leaves)
-    finally:
-        torch._dynamo.reset()
+    first, second = _compiled_twice(step, "aot_eager", (q, k, v))
     for which, grads in (("first", first), ("second", second)):
         for g, w in zip(grads, want):
             if not torch.equal(_raw(g), _raw(w)):

@@ -206,6 +206,19 @@ def test_varlen_backward_called_from_another_stream():
 # ------------------------------------------------------------ FH: a compiled step differentiated twice (retain_graph)
 
 
+def _compiled_twice(step, backend, inputs):
+    """torch.compile(step)'s loss gradients on fresh leaves, twice through one graph (retain_graph=True first)."""
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        loss = compiled(*leaves)
+        first = torch.autograd.grad(loss, leaves, retain_graph=True)
+        return first, torch.autograd.grad(loss, leaves)
+    finally:
+        torch._dynamo.reset()
+
+
 def _loss_step(return_lse, dout, dlse):
     """FH's step: the scalar loss <out, dout> (+ <lse, dlse> when return_lse) of a causal deterministic call."""
     def step(q, k, v):
@@ -236,15 +249,7 @@ def test_compiled_step_differentiated_twice(backend, return_lse):
     out, lse = attention(q, k, v, causal=True, return_lse=True, deterministic=True)
     check_attention(out, lse, want, q, k, v, dout, "eager step", dlse=dlse if return_lse else None, causal=True)
 
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(step, backend=backend, fullgraph=True)
-        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        loss = compiled(*leaves)
-        first = torch.autograd.grad(loss, leaves, retain_graph=True)
-        second = torch.autograd.grad(loss, leaves)
-    finally:
-        torch._dynamo.reset()
+    first, second = _compiled_twice(step, backend, (q, k, v))
     for which, grads in (("first", first), ("second", second)):
         for gname, g, w in zip(GRAD_NAMES, grads, want):
             if not (g.shape == w.shape and g.dtype == w.dtype and torch.equal(_raw(g), _raw(w))):
