@@ -490,7 +490,11 @@ def _compiled():
 
 
 def build_config():
-    """The head dims and dtypes compiled into the extension: ``{"head_dims": [...], "dtypes": [...]}``."""
+    """The head dims and dtypes compiled into the extension (the build's FAH_HDIMS / FAH_DTYPES).
+
+    Returns ``{"head_dims": [...], "dtypes": [...]}``: the kernel head dims as ints (a full build: ``[64, 96, 128,
+    192, 256]``) and the dtypes as ``torch.dtype`` (``torch.float16``, ``torch.bfloat16``). Raises RuntimeError, with
+    the loader's reason, when the compiled extension is unavailable (the README's install check relies on it)."""
     require_extension()
     head_dims, dtypes = _compiled()
     return {"head_dims": list(head_dims), "dtypes": list(dtypes)}
