@@ -192,6 +192,11 @@ struct BwdTileConfig {
 // Those causal-like measurements had the group CTAs in one global order; with the one-wave sections (session 52,
 // H100) causal head_dim 128 16/2 still prefers the sums (group 225 / 296 / 374 against 265 / 384 / 460 TFLOP/s at
 // 1024 / 2048 / 4096); the other thresholds were not measured again.
+// Groups of 8 or more at head_dim > 128 under a causal-like mask take the sums at any grid: H100, 2026-12-06 (session
+// 56, 2 rounds, 16k tokens, bf16 TFLOP/s group / sums), head_dim 256 causal 16/2 (512 CTAs) 151 / 215, 200 / 294,
+// 268 / 332 at 1024 / 2048 / 4096, while 16/4 (1024 CTAs) kept the group ahead (225 / 207, 297 / 285, 333-338 /
+// 300-311) and so did 16/2 without a mask (342-347 / 295-296 at 1024, 388-393 / 376-382 at 4096). Head_dim 192 and
+// groups of 8 above 512 CTAs were not measured.
 // Returns the query heads per CTA (1 or the group size). FAH_BWD_GQA_GROUP_CTA=1 or 0 forces either
 // (tests/test_bwd_gqa_group_gpu.py runs the GQA tests under both).
 enum class BwdMask { kNone, kCausalLike, kOther };
@@ -201,6 +206,7 @@ inline int bwd_heads_per_cta(int head_dim, int seqlen_k, int batch, int nheads, 
   if (char const* v = std::getenv("FAH_BWD_GQA_GROUP_CTA"); v != nullptr && (v[0] == '0' || v[0] == '1')) {
     return v[0] == '1' ? nheads / nheads_k : 1;
   }
+  if (mask == BwdMask::kCausalLike && head_dim > 128 && nheads / nheads_k >= 8) { return 1; }
   int const block_n = head_dim <= 128 ? BwdTileConfig<128>::kBlockN : BwdTileConfig<256>::kBlockN;
   int64_t const ctas = int64_t((seqlen_k + block_n - 1) / block_n) * nheads_k * batch;
   int const tenths = mask == BwdMask::kNone && head_dim <= 128        ? 9
