@@ -521,6 +521,42 @@ def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
         assert_close_by_rule(g, r, n, f"gqa rule {mask} {gname}")
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "window_right_only", "window"])
+@pytest.mark.parametrize("head_dim", [128, 192, 256])
+def test_gqa_group_rule_groups_of_eight(head_dim, mask, monkeypatch):
+    """Groups of 8 (16 query heads on 2 K/V heads) over two waves of CTAs (1344 tokens: 11 key blocks at head_dim 128,
+    21 at 192 and 256, x 2 x batch): at head_dim > 128 a causal-like mask (causal, or a window with no left bound)
+    takes the fp32 sums at any grid, where the group CTAs ran at 0.68-0.81 of their speed (flash/config.hpp
+    bwd_heads_per_cta, session 56); without a mask, under a window with a left bound, and at head_dim 128 the group
+    CTAs stay (two waves). Read from the backward's peak memory against the group mode forced, as
+    test_gqa_group_rule_below_two_waves does; the gradients follow the rule either way."""
+    monkeypatch.delenv("FAH_BWD_GQA_GROUP_CTA", raising=False)
+    dtype = _built_dtype(head_dim)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    seqlen, nheads, nheads_k = 1344, 16, 2
+    blocks = -(-seqlen // (128 if head_dim <= 128 else 64))
+    batch = -(-2 * sms // (blocks * nheads_k))
+    kwargs = _rule_mask_kwargs(mask, seqlen)
+    q = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    k, v = (_randn(batch, seqlen, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    peak, grads = _bwd_peak(q, k, v, dout, **kwargs)
+    monkeypatch.setenv("FAH_BWD_GQA_GROUP_CTA", "1")
+    group_peak, _ = _bwd_peak(q, k, v, dout, **kwargs)
+    sums_bytes = 2 * k.numel() * 4
+    ctas = blocks * nheads_k * batch
+    group = not (mask in ("causal", "window_right_only") and head_dim > 128)
+    if group:
+        assert peak - group_peak < sums_bytes / 2, f"{ctas} CTAs on {sms} SMs, {mask}: expected the group CTAs"
+    else:
+        assert peak - group_peak > sums_bytes / 2, f"{ctas} CTAs on {sms} SMs, {mask}: expected the fp32 sums"
+    ref = attention_ref_grads(q, k, v, dout, upcast=True, **kwargs)
+    naive = attention_ref_grads(q, k, v, dout, upcast=False, **kwargs)
+    for gname, g, r, n in zip(GRAD_NAMES, grads, ref, naive):
+        assert torch.isfinite(n).all(), f"gqa groups of 8 {mask} {gname}: the naive reference is not finite"
+        assert_close_by_rule(g, r, n, f"gqa groups of 8 {mask} {gname}")
+
+
 @pytest.mark.parametrize("layout", ["packed_kv", "transposed"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_gqa_strided_kv(head_dim, layout):
