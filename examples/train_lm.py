@@ -271,6 +271,7 @@ def run_backend(backend, args, device, train, val, train_offsets, val_offsets):
         "parameters": n_params,
         "first_loss": step_losses[0],
         "final_train_loss": sum(step_losses[-FINAL_WINDOW:]) / len(step_losses[-FINAL_WINDOW:]),
+        "final_window": len(step_losses[-FINAL_WINDOW:]),
         "val_loss": val_loss,
         "tokens_per_s": tokens_per_s,
         "peak_memory_gib": peak,
@@ -299,8 +300,9 @@ def combine_runs(runs):
 
 def markdown_table(results):
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
+    window = min((r.get("final_window", FINAL_WINDOW) for r in results), default=FINAL_WINDOW)  # --steps < 20
     lines = [
-        f"| backend | loss at step 1 | final train loss (mean of last {FINAL_WINDOW} steps) | val loss | tokens/s "
+        f"| backend | loss at step 1 | final train loss (mean of last {window} steps) | val loss | tokens/s "
         "| peak memory GiB |",
         "|---|---|---|---|---|---|",
     ]
