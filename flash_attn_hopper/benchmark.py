@@ -112,9 +112,18 @@ def _choice_list(choices):
 _backend_list = _choice_list(BACKENDS)
 
 
+def _prog():
+    """The command as run: the module form, or the script's path (benchmarks/bench_attention.py loads this file)."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    if os.path.basename(main_file) in ("benchmark.py", "__main__.py", ""):
+        return "python -m flash_attn_hopper.benchmark"
+    rel = os.path.relpath(main_file)
+    return f"python {main_file if rel.startswith('..') else rel}"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m flash_attn_hopper.benchmark",
+        prog=_prog(),
         description="Attention TFLOP/s, forward and backward: flash_attn_hopper vs torch SDPA cuDNN and FA2 backends "
         "(the FlashAttention-3 paper's grid plus feature points), with a regression gate against a baseline record, "
         "plots and a markdown summary.",

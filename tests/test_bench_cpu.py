@@ -25,6 +25,17 @@ def test_help_runs_without_gpu():
     assert "--direction" in r.stdout and "{fwd,bwd,both}" in r.stdout
 
 
+def test_usage_line_names_the_command_as_run():
+    """Run by path, the usage line names the script (a first-time-user trial saw the module form there)."""
+    by_path = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+    assert by_path.stdout.startswith("usage: python ") and "bench_attention.py" in by_path.stdout.splitlines()[0]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(SCRIPT)))
+    as_module = subprocess.run([sys.executable, "-m", "flash_attn_hopper.benchmark", "--help"], capture_output=True,
+                               text=True, timeout=60, cwd=root)
+    assert as_module.returncode == 0, as_module.stderr
+    assert as_module.stdout.startswith("usage: python -m flash_attn_hopper.benchmark ")
+
+
 def test_importing_does_not_import_torch():
     code = f"import importlib.util, sys; s = importlib.util.spec_from_file_location('b', {SCRIPT!r}); "
     code += "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); m.parse_args([]); "
