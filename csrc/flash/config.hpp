@@ -195,8 +195,10 @@ struct BwdTileConfig {
 // Groups of 8 or more at head_dim > 128 under a causal-like mask take the sums at any grid: H100, 2026-12-06 (session
 // 56, 2 rounds, 16k tokens, bf16 TFLOP/s group / sums), head_dim 256 causal 16/2 (512 CTAs) 151 / 215, 200 / 294,
 // 268 / 332 at 1024 / 2048 / 4096, while 16/4 (1024 CTAs) kept the group ahead (225 / 207, 297 / 285, 333-338 /
-// 300-311) and so did 16/2 without a mask (342-347 / 295-296 at 1024, 388-393 / 376-382 at 4096). Head_dim 192 and
-// groups of 8 above 512 CTAs were not measured.
+// 300-311) and so did 16/2 without a mask (342-347 / 295-296 at 1024, 388-393 / 376-382 at 4096). With the rule
+// (session 56 call 4, rule / group forced): head_dim 256 causal 16/2 213-214 / 150, 292-293 / 201, 344-348 / 268 at
+// 1024 / 2048 / 4096; head_dim 192 causal 16/2 180-181 / 127, 277-278 / 222 at 1024 / 4096. Groups of 8 above 512
+// CTAs were not measured.
 // Returns the query heads per CTA (1 or the group size). FAH_BWD_GQA_GROUP_CTA=1 or 0 forces either
 // (tests/test_bwd_gqa_group_gpu.py runs the GQA tests under both).
 enum class BwdMask { kNone, kCausalLike, kOther };
