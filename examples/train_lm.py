@@ -14,12 +14,12 @@ tenth, gradient clipping at 1.0; bf16 autocast over float32 weights (``--precisi
 bf16 weights (``--precision bf16``).
 
 Prints a progress line every ``--log-every`` steps (step, loss, learning rate, tokens/s over the interval) and ends
-with a markdown table per backend: the loss of step 1, the final train loss (mean of the last 20 steps), the
-validation loss (``--eval-batches`` fixed windows of the held-out files), tokens/s (training steps only, the first
-``--timing-skip`` steps left out as warm-up), and peak GPU memory. ``--repeats N`` trains each backend N times, the
-order reversed every other round, and reports the mean tokens/s (min-max beside it): a single run's tokens/s moves by a
-few percent with the GPU's state, and on the H200 the backend that ran first was faster in either order. ``--json
-PATH`` writes all of it, every step's loss included, with the versions and settings.
+with a markdown table per backend: the loss of step 1, the final train loss (mean of the last 20 steps, or of all
+when --steps is fewer), the validation loss (``--eval-batches`` fixed windows of the held-out files), tokens/s
+(training steps only, the first ``--timing-skip`` steps left out as warm-up), and peak GPU memory. ``--repeats N``
+trains each backend N times, the order reversed every other round, and reports the mean tokens/s (min-max beside
+it): a single run's tokens/s moves by a few percent with the GPU's state, and on the H200 the backend that ran first
+was faster in either order. ``--json PATH`` writes all of it, every step's loss included, with the versions and settings.
 
 Run from the repository root with flash_attn_hopper installed; with an in-place build (``python setup.py build_ext
 --inplace``, as scripts/gpu_check.sh does) put the checkout on the path: ``PYTHONPATH=. python examples/train_lm.py``.

@@ -117,7 +117,10 @@ def _prog():
     main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
     if os.path.basename(main_file) in ("benchmark.py", "__main__.py", ""):
         return "python -m flash_attn_hopper.benchmark"
-    rel = os.path.relpath(main_file)
+    try:
+        rel = os.path.relpath(main_file)
+    except (ValueError, OSError):  # another drive (Windows), or the working directory was removed
+        return f"python {main_file}"
     return f"python {main_file if rel.startswith('..') else rel}"
 
 

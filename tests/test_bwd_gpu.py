@@ -524,7 +524,7 @@ def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
 @pytest.mark.parametrize("mask", ["none", "causal", "window_right_only", "window"])
 @pytest.mark.parametrize("head_dim", [128, 192, 256])
 def test_gqa_group_rule_groups_of_eight(head_dim, mask, monkeypatch):
-    """Groups of 8 (16 query heads on 2 K/V heads) over two waves of CTAs (1344 tokens: 11 key blocks at head_dim 128,
+    """Groups of 8 (16 query heads on 2 K/V heads) on at least two waves of CTAs (1344 tokens: 11 key blocks at head_dim 128,
     21 at 192 and 256, x 2 x batch): at head_dim > 128 a causal-like mask (causal, or a window with no left bound)
     takes the fp32 sums at any grid, where the group CTAs ran at 0.68-0.81 of their speed (flash/config.hpp
     bwd_heads_per_cta, session 56); without a mask, under a window with a left bound, and at head_dim 128 the group
