@@ -1,7 +1,7 @@
 """GQA backward TFLOP/s (head_dim 128 unless given) over group sizes and seqlens, beside dense MHA of the same shape, for A/Bs
 of the launcher's GQA choices by environment (FAH_BWD_GQA_GROUP_CTA, FAH_BWD_SECTION_MIB; set by the caller). GQA_CAUSAL=yes or no: one mask only.
 GQA_WINDOW=LEFT,RIGHT: that window_size on every point (FLOPs still counted as dense or causal: for windows that hide
-no key).
+no key). GQA_DETERMINISTIC=1: the deterministic backward.
 bf16, batch * seqlen = 16384 tokens, 16 query heads; medians of triton.testing.do_bench.
 usage: gqa_bwd_points.py [SEQLENS] [NHEADS_K] [HEAD_DIM]     e.g. 2048,4096,8192 16,8,4,2 128"""
 import os
@@ -24,7 +24,8 @@ for causal in {"no": (False,), "yes": (True,)}.get(os.environ.get("GQA_CAUSAL", 
             q = torch.randn(b, s, h, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             k, v = (torch.randn(b, s, hk, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
             do = torch.randn(b, s, h, hd, device="cuda", dtype=torch.bfloat16)
-            out = fah.attention(q, k, v, causal=causal, window_size=window)
+            out = fah.attention(q, k, v, causal=causal, window_size=window,
+                                deterministic=os.environ.get("GQA_DETERMINISTIC", "0") == "1")
             ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
                                          warmup=25, rep=100, return_mode="median")
             flops = 2.5 * 4 * b * h * s * s * hd / (2 if causal else 1)
