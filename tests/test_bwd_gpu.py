@@ -485,9 +485,8 @@ def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
     "near_two": from 1.9 to 2 x), the launcher's pick depends on the mask
     (flash/config.hpp bwd_heads_per_cta): one CTA per K/V head group without a mask (or a window that hides no key)
     at head_dim <= 128, and under a causal-like mask (causal, or a window with no left bound) at head_dim 64 from 1.9
-    x the SMs; fp32 sums otherwise (a window with a left bound, head_dim 256). Read from the backward's peak memory against the group mode forced:
-    the sums take two zeroed fp32 buffers of k's size that the group mode does not. The gradients follow the rule
-    either way."""
+    x the SMs; fp32 sums otherwise (a window with a left bound, head_dim 256). Read from the backward's peak memory
+    against the group mode forced (_check_gqa_mode); the gradients follow the rule either way."""
     monkeypatch.delenv("FAH_BWD_GQA_GROUP_CTA", raising=False)
     dtype = _built_dtype(head_dim)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -498,7 +497,15 @@ def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
     ctas = blocks * nheads_k * batch
     if not low <= ctas < high:
         pytest.skip(f"no batch puts {blocks} x {nheads_k} x batch CTAs in [{low:g}, {high:g}) on {sms} SMs")
-    kwargs = _rule_mask_kwargs(mask, seqlen)
+    causal_like = mask in ("causal", "window_right_only")
+    group = (mask in _RULE_UNMASKED and head_dim <= 128) or (causal_like and head_dim <= 64 and waves == "near_two")
+    _check_gqa_mode(batch, seqlen, nheads, nheads_k, head_dim, dtype, _rule_mask_kwargs(mask, seqlen), group,
+                    f"gqa rule {mask}, {ctas} CTAs on {sms} SMs", monkeypatch)
+
+
+def _check_gqa_mode(batch, seqlen, nheads, nheads_k, head_dim, dtype, kwargs, group, where, monkeypatch):
+    """The launcher's GQA backward mode read from the backward's peak memory against the group mode forced (the sums
+    take two zeroed fp32 buffers of k's size that the group mode does not), and the gradients by the rule."""
     q = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
     k, v = (_randn(batch, seqlen, nheads_k, head_dim, dtype=dtype) for _ in range(2))
     dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
@@ -506,55 +513,36 @@ def test_gqa_group_rule_below_two_waves(head_dim, mask, waves, monkeypatch):
     monkeypatch.setenv("FAH_BWD_GQA_GROUP_CTA", "1")
     group_peak, _ = _bwd_peak(q, k, v, dout, **kwargs)
     sums_bytes = 2 * k.numel() * 4
-    causal_like = mask in ("causal", "window_right_only")
-    group = (mask in _RULE_UNMASKED and head_dim <= 128) or (causal_like and head_dim <= 64 and waves == "near_two")
     # The two modes' peaks fall at different points of the backward, so their difference is near, not exactly, the
     # sums' size (0.92 of it under a causal mask): half of it separates the modes.
     if group:
-        assert peak - group_peak < sums_bytes / 2, f"{ctas} CTAs on {sms} SMs, {mask}: expected the group CTAs"
+        assert peak - group_peak < sums_bytes / 2, f"{where}: expected the group CTAs"
     else:
-        assert peak - group_peak > sums_bytes / 2, f"{ctas} CTAs on {sms} SMs, {mask}: expected the fp32 sums"
+        assert peak - group_peak > sums_bytes / 2, f"{where}: expected the fp32 sums"
     ref = attention_ref_grads(q, k, v, dout, upcast=True, **kwargs)
     naive = attention_ref_grads(q, k, v, dout, upcast=False, **kwargs)
     for gname, g, r, n in zip(GRAD_NAMES, grads, ref, naive):
-        assert torch.isfinite(n).all(), f"gqa rule {mask} {gname}: the naive reference is not finite"
-        assert_close_by_rule(g, r, n, f"gqa rule {mask} {gname}")
+        assert torch.isfinite(n).all(), f"{where} {gname}: the naive reference is not finite"
+        assert_close_by_rule(g, r, n, f"{where} {gname}")
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "window_right_only", "window"])
 @pytest.mark.parametrize("head_dim", [128, 192, 256])
 def test_gqa_group_rule_groups_of_eight(head_dim, mask, monkeypatch):
-    """Groups of 8 (16 query heads on 2 K/V heads) on at least two waves of CTAs (1344 tokens: 11 key blocks at head_dim 128,
-    21 at 192 and 256, x 2 x batch): at head_dim > 128 a causal-like mask (causal, or a window with no left bound)
-    takes the fp32 sums at any grid, where the group CTAs ran at 0.68-0.81 of their speed (flash/config.hpp
-    bwd_heads_per_cta, session 56); without a mask, under a window with a left bound, and at head_dim 128 the group
-    CTAs stay (two waves). Read from the backward's peak memory against the group mode forced, as
-    test_gqa_group_rule_below_two_waves does; the gradients follow the rule either way."""
+    """Groups of 8 (16 query heads on 2 K/V heads) on at least two waves of CTAs (1344 tokens: 11 key blocks at
+    head_dim 128, 21 at 192 and 256, x 2 x batch): at head_dim > 128 a causal-like mask (causal, or a window with no
+    left bound) takes the fp32 sums at any grid, where the group CTAs ran at 0.68-0.81 of their speed
+    (flash/config.hpp bwd_heads_per_cta, session 56); without a mask, under a window with a left bound, and at head_dim
+    128 the group CTAs stay (two waves). Read as test_gqa_group_rule_below_two_waves does (_check_gqa_mode)."""
     monkeypatch.delenv("FAH_BWD_GQA_GROUP_CTA", raising=False)
     dtype = _built_dtype(head_dim)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     seqlen, nheads, nheads_k = 1344, 16, 2
     blocks = -(-seqlen // (128 if head_dim <= 128 else 64))
     batch = -(-2 * sms // (blocks * nheads_k))
-    kwargs = _rule_mask_kwargs(mask, seqlen)
-    q = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
-    k, v = (_randn(batch, seqlen, nheads_k, head_dim, dtype=dtype) for _ in range(2))
-    dout = _randn(batch, seqlen, nheads, head_dim, dtype=dtype)
-    peak, grads = _bwd_peak(q, k, v, dout, **kwargs)
-    monkeypatch.setenv("FAH_BWD_GQA_GROUP_CTA", "1")
-    group_peak, _ = _bwd_peak(q, k, v, dout, **kwargs)
-    sums_bytes = 2 * k.numel() * 4
-    ctas = blocks * nheads_k * batch
     group = not (mask in ("causal", "window_right_only") and head_dim > 128)
-    if group:
-        assert peak - group_peak < sums_bytes / 2, f"{ctas} CTAs on {sms} SMs, {mask}: expected the group CTAs"
-    else:
-        assert peak - group_peak > sums_bytes / 2, f"{ctas} CTAs on {sms} SMs, {mask}: expected the fp32 sums"
-    ref = attention_ref_grads(q, k, v, dout, upcast=True, **kwargs)
-    naive = attention_ref_grads(q, k, v, dout, upcast=False, **kwargs)
-    for gname, g, r, n in zip(GRAD_NAMES, grads, ref, naive):
-        assert torch.isfinite(n).all(), f"gqa groups of 8 {mask} {gname}: the naive reference is not finite"
-        assert_close_by_rule(g, r, n, f"gqa groups of 8 {mask} {gname}")
+    _check_gqa_mode(batch, seqlen, nheads, nheads_k, head_dim, dtype, _rule_mask_kwargs(mask, seqlen), group,
+                    f"gqa groups of 8 {mask}, {blocks * nheads_k * batch} CTAs on {sms} SMs", monkeypatch)
 
 
 @pytest.mark.parametrize("layout", ["packed_kv", "transposed"])
