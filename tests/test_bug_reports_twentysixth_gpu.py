@@ -5,13 +5,14 @@ heads of a group alike, a sink key, massive-activation channels, batch elements 
 kept in the input dtype (each head's dK rounded, then added in fp16 / bf16; the "sum from expand backwards" of
 tinygrad/tinygrad#3331, the f32 accumulation xformers#467 added to its backward, the compact fp32 dK/dV of
 xlite-dev/ffpa-attn#301) loses a few ulps per head, and DESIGN.md §3's rule cannot see it here: its naive reference
-rounds every head's dK before summing too, so its error grows with the group as well (tests/test_bug_reports_
-twentysixth_cpu.py shows such a sum passing the rule). NVIDIA/TransformerEngine#3216 (a wrong dQ/dK/dV from FA4's
-backward at head_dim 256, 16 query heads on 2 K/V heads, causal, bf16, batch >= 2) was seen only with real
-activations, never with Gaussian inputs. The check here is exact: with the G query heads of each group identical (and
-their dO), dK and dV must be G times those of the same call with one query head per group, within one rounding, and
-every head's dQ that call's dQ; the group sizes include 8 at head_dim 256 and 192 under a causal mask, which now take
-the fp32 sums (flash/config.hpp bwd_heads_per_cta), and each case runs in both backward modes (FAH_BWD_GQA_GROUP_CTA).
+rounds every head's dK before summing too, so its error grows with the group as well
+(tests/test_bug_reports_twentysixth_cpu.py shows such a sum often passing the rule). NVIDIA/TransformerEngine#3216
+(FA4's backward at head_dim 256, 16 query heads on 2 K/V heads, causal, bf16, batch >= 2: dQ several times too large)
+was seen only with real activations, never with Gaussian inputs: the reason for the activation-like inputs. The check
+here is exact: with the G query heads of each group identical (and their dO), dK and dV must be G times those of the
+same call with one query head per group, within one rounding, and every head's dQ that call's dQ; the group sizes
+include 8 at head_dim 256 and 192 under a causal mask, which now take the fp32 sums (flash/config.hpp
+bwd_heads_per_cta), and each case runs in both backward modes (FAH_BWD_GQA_GROUP_CTA).
 FJ: groups larger than a kernel's head pack: 16, 32, 48 (StarCoder's 48-head MQA) and 64 query heads per K/V head.
 NVIDIA/TensorRT-LLM#6573 (the sm90 XQA kernel wrong in fp16 / bf16 once the group passed 8), Tencent/hpc-ops#58 (a
 kernel with 8 heads per group hard-coded, silently wrong beyond it without a guard), microsoft/onnxruntime#29046 (a
@@ -43,6 +44,8 @@ pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 MODE_ENV = "FAH_BWD_GQA_GROUP_CTA"
 # The backward's GQA modes: the launcher's rule, one CTA per group (dK/dV kept across the group in registers), one CTA
 # per query head (dK/dV added into fp32 sums, flash/config.hpp bwd_heads_per_cta).
+# At these tests' grids (4-32 CTAs) the rule picks the fp32 sums, so "rule" repeats "head-per-cta" today; it stays to
+# follow the launcher if its thresholds change.
 MODES = {"rule": None, "group-per-cta": "1", "head-per-cta": "0"}
 _MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
 
@@ -123,6 +126,8 @@ def check_group_of_identical_heads(q, k, v, dout, name, **opts):
     the same call with one query head per group (also by the rule): every head's out, LSE and dQ that head's, within
     one rounding, and dK, dV G times that call's, within one rounding."""
     group = q.shape[2] // k.shape[2]
+    # G x one rounding of c is one rounding of G x c only for G a power of two (G = 7 reached 1.25 spacings).
+    assert group & (group - 1) == 0, f"{name}: the relation needs a power-of-two group, not {group}"
     q1, dout1 = q[:, :, ::group].contiguous(), dout[:, :, ::group].contiguous()
     out, lse, grads = run(q, k, v, dout, **opts)
     out1, lse1, grads1 = run(q1, k, v, dout1, **opts)
@@ -132,7 +137,7 @@ def check_group_of_identical_heads(q, k, v, dout, name, **opts):
     spread = torch.arange(q.shape[2], device=q.device) // group
     assert_within_one_rounding(f"{name} out", out, out1[:, :, spread].double())
     if not torch.equal(lse, lse1[:, spread]):  # LSE is float32: a group's heads compute the same row sums
-        if not torch.allclose(lse, lse1[:, spread], rtol=2.0 ** -20, atol=0.0, equal_nan=True):
+        if not torch.allclose(lse, lse1[:, spread], rtol=2.0 ** -20, atol=2.0 ** -20, equal_nan=True):
             raise AssertionError(f"{name} lse: a head of a group differs from the one-head call")
     assert_within_one_rounding(f"{name} dq", grads[0], grads1[0][:, :, spread].double())
     for gname, g, g1 in zip(GRAD_NAMES[1:], grads[1:], grads1[1:]):
@@ -157,7 +162,8 @@ def test_group_of_identical_query_heads(case, mode, deterministic, monkeypatch):
     """FI (tinygrad#3331, xformers#467, ffpa-attn#301; TransformerEngine#3216's shape): activation-like inputs, batch 2
     of 203 tokens, the query heads of each group equal: dK, dV equal G times the one-head-per-group call's and every
     head's out, LSE, dQ that call's, within one rounding; both calls by the rule. A group sum in the input dtype is
-    off by several roundings at groups of 8 and more."""
+    off by about two roundings at a group of 8 (1.3-2.0 in the CPU file's stand-in, where the rule caught it in 3 of 8
+    draws)."""
     nheads, nheads_k, head_dim, head_dim_v, opts = case
     dtype = built_dtype(max(head_dim, head_dim_v))
     set_mode(monkeypatch, mode)
@@ -290,15 +296,22 @@ WINDOW = (256, 0)  # transformers' sliding_window 257 (Mistral's convention: a r
 
 def chunked_prefill(q, k, v, dout, chunks, **opts):
     """The queries split at `chunks`, chunk [s, e) run against keys [0, e) (bottom-right aligned), out and LSE
-    concatenated; the gradients of sum over chunks of <out_c, dout[s:e]> with respect to the whole q, k, v."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    concatenated; the gradients of sum over chunks of <out_c, dout[s:e]> with respect to the whole q, k, v, each
+    chunk's dK / dV added in float32 and rounded once (autograd's slice backward would add them in the input dtype,
+    a rounding per chunk that the one-shot reference does not have)."""
     outs, lses = [], []
+    dq = torch.empty_like(q)
+    dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
     for s, e in zip(chunks, chunks[1:]):
-        o, lse = attention(leaves[0][:, s:e], leaves[1][:, :e], leaves[2][:, :e], return_lse=True, **opts)
-        outs.append(o)
-        lses.append(lse)
-    out = torch.cat(outs, dim=1)
-    return out.detach(), torch.cat(lses, dim=2).detach(), torch.autograd.grad(out, leaves, dout)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q[:, s:e], k[:, :e], v[:, :e])]
+        o, lse = attention(*leaves, return_lse=True, **opts)
+        gq, gk, gv = torch.autograd.grad(o, leaves, dout[:, s:e])
+        dq[:, s:e] = gq
+        dk[:, :e] += gk.float()
+        dv[:, :e] += gv.float()
+        outs.append(o.detach())
+        lses.append(lse.detach())
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2), (dq, dk.to(k.dtype), dv.to(v.dtype))
 
 
 def check_against_one_shot(out, lse, grads, q, k, v, dout, name, **opts):
@@ -316,7 +329,7 @@ def check_against_one_shot(out, lse, grads, q, k, v, dout, name, **opts):
 
 FK_CASES = [
     (128, 8, 2, dict(window_size=WINDOW)),
-    (256, 4, 2, dict(causal=True, window_size=WINDOW, softcap=50.0)),  # Gemma 2's local layers (16 / 8 at 256)
+    (256, 4, 2, dict(causal=True, window_size=WINDOW, softcap=50.0)),  # Gemma 2's local layers (head_dim 256)
     (64, 6, 1, dict(causal=True)),
 ]
 
