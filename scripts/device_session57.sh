@@ -5,7 +5,7 @@
 # 2. Nsight Compute on the forward at head_dim 64, dense and softcap, and head_dim 128 dense (exp2 on the FMA pipe lost
 #    8-22 %, so the consumers are not MUFU-bound as counted: issue slots, pipe utilisation and stall reasons decide
 #    the next softmax idea; softcap at head_dim 64 runs at 0.72-0.75 of dense).
-# 3. The grid, on an H200 the first since session 45.
+# 3. The twenty-sixth bug-report round's GPU file, then the grid, on an H200 the first since session 45.
 #   carry [".prebuilt/pack/s56.tar.xz"]; OUT=$OUT bash scripts/device_session57.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -22,6 +22,9 @@ for r in 1 2; do
   done
 done > "$OUT/gqa_rule_followup.txt" 2>&1
 echo "gqa follow-up done"; cat "$OUT/gqa_rule_followup.txt"
+# The twenty-sixth bug-report round's GPU file (52 tests, never run on a GPU).
+timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentysixth_gpu.py > "$OUT/round26.log" 2>&1
+echo "round 26 rc $?: $(tail -n 1 "$OUT/round26.log")"; grep -m 10 "^FAILED" "$OUT/round26.log"
 CASES="64 16384 dense;64 16384 softcap;128 16384 dense" TAG=fwd64 NCU_TIMEOUT=90 OUT=$OUT bash scripts/ncu_fwd.sh
 timeout ${GRID_S:-150} python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both --no-bar \
   --json "$OUT/grid_S56.json" --summary "$OUT/grid_S56_summary.md" > "$OUT/grid.log" 2>&1
