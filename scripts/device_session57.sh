@@ -26,7 +26,8 @@ for r in 1 2; do
 done > "$OUT/gqa_rule_followup.txt" 2>&1
 echo "gqa follow-up done"; cat "$OUT/gqa_rule_followup.txt"
 # The twenty-sixth bug-report round's GPU file (52 tests, never run on a GPU).
-timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentysixth_gpu.py > "$OUT/round26.log" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentysixth_gpu.py \
+  > "$OUT/round26.log" 2>&1
 echo "round 26 rc $?: $(tail -n 1 "$OUT/round26.log")"; grep -m 10 "^FAILED" "$OUT/round26.log"
 exit 0
 fi
