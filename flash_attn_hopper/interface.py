@@ -578,7 +578,7 @@ def _check_document_ids(document_ids, q, k):
 def _check_document_ids_dtype(document_ids):
     """TypeError unless document_ids has an integer dtype (also the rule of flash_attn_hopper.testing's references)."""
     if document_ids.dtype not in _DOCUMENT_ID_DTYPES:
-        raise TypeError(f"document_ids must have an integer dtype (int8/16/32/64, uint8), got {document_ids.dtype}")
+        raise TypeError(f"document_ids must be int8, int16, int32, int64 or uint8, got {document_ids.dtype}")
 
 
 def _check_document_ids_shape(document_ids, q, k):

@@ -830,10 +830,11 @@ def test_document_ids_not_a_tensor(bad):
         attention(q, k, v, document_ids=bad)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool, torch.complex64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool, torch.complex64, torch.uint32])
 def test_document_ids_dtype(dtype):
     q, k, v = _qkv(seqlen_k=SQ)
-    with pytest.raises(TypeError, match=r"^document_ids must have an integer dtype.*got " + re.escape(str(dtype))):
+    msg = r"^document_ids must be int8, int16, int32, int64 or uint8, got "
+    with pytest.raises(TypeError, match=msg + re.escape(str(dtype))):
         attention(q, k, v, document_ids=torch.zeros(B, SQ, dtype=dtype))
 
 
