@@ -761,10 +761,10 @@ def register():
     ``set_attn_implementation`` of every model that dispatches through ``AttentionInterface`` (Llama, Mistral, Qwen2,
     ...). Registration is global to the process (transformers' class-level mappings). Call it again before building a
     model if the process has built a flash_attention_2/3 model since (building one makes transformers look up a
-    flash-attention kernel for later models as well). It also wraps ``transformers.masking_utils.
-    _preprocess_mask_arguments`` so that, for this name only, the mask builder skips its packed-sequence check (a host
-    synchronization per forward); the attention layers take packed sequences from position_ids on the device
-    instead.
+    flash-attention kernel for later models as well). It also wraps transformers' mask preprocessing
+    (``masking_utils._preprocess_mask_arguments``) so that, for this name only, the mask builder skips its
+    packed-sequence check (a host synchronization per forward); the attention layers take packed sequences from
+    position_ids on the device instead.
 
     Returns:
         the name, ``"flash_attn_hopper"``.
