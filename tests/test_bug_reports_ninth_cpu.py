@@ -34,6 +34,7 @@ import flash_attn_hopper
 from flash_attn_hopper import attention, attention_varlen
 from attention_modules import Attention, AttentionVarlen
 from cpu_stand_ins import CALLS, bwd_stand_in, bwd_varlen_stand_in, fwd_stand_in, fwd_varlen_stand_in, stand_ins
+from test_compile_gpu import compiled_cold_then_cached, op_graphs
 
 requires_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -377,7 +378,7 @@ def test_compiled_varlen_new_max_seqlen_reuses_the_graph(cpu_ops):
             assert _varlen_maxima() == [("fwd_varlen", bound, bound), ("bwd_varlen", bound, bound)], (
                 f"lengths {lengths}: the ops got {_varlen_maxima()}, not max_seqlen {bound}")
         assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
-    assert _op_graphs(counter) == 1, f"{_op_graphs(counter)} graphs for 7 maxima"
+    assert op_graphs(counter) == 1, f"{op_graphs(counter)} graphs for 7 maxima"
 
 
 def test_compiled_varlen_reaching_the_rows_reuses_a_cached_graph(cpu_ops, tmp_path, monkeypatch):
@@ -387,9 +388,6 @@ def test_compiled_varlen_reaching_the_rows_reuses_a_cached_graph(cpu_ops, tmp_pa
     compile guarded on min(max_seqlen_q, q's rows); torch 2.11's cache hit brought that back as `max_q < q.size()[0]`
     and the call that reached the rows recompiled (session 55, an H100 run of test_compile_gpu.py with a warm cache).
     Found with torch 2.11 (the GPU machines'); torch 2.14 (CI's) did not recompile either way."""
-    import torch._inductor.config
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     _needs_compiler("inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
 
@@ -398,27 +396,16 @@ def test_compiled_varlen_reaching_the_rows_reuses_a_cached_graph(cpu_ops, tmp_pa
 
     batches = [([77, 130, 5], [10, 200, 60], 130, 200), ([300, 1], [129, 1], 300, 129), ([100], [100], 100, 100),
                ([17, 57], [30, 33], 2048, 4096)]
-    for compile_pass in ("cold", "cached"):
-        torch._dynamo.reset()
-        counter = CompileCounterWithBackend("inductor")
-        compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
-        with torch._inductor.config.patch(fx_graph_cache=True):
-            for lengths_q, lengths_k, max_q, max_k in batches:
-                cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
-                              for n in (lengths_q, lengths_k))
-                base = [torch.randn(sum(n), 3, 64).half() for n in (lengths_q, lengths_k, lengths_k)]
-                leaves = [t.clone().requires_grad_(True) for t in base]
-                out, lse = compiled(*leaves, cu_q, cu_k, max_q, max_k)
-                torch.autograd.grad((out, lse), leaves, (torch.randn_like(out), torch.randn_like(lse)))
-        assert _op_graphs(counter) == 1, f"{compile_pass}: {_op_graphs(counter)} graphs for {len(batches)} maxima"
+    for compile_pass, compiled, counter in compiled_cold_then_cached(f):
+        for lengths_q, lengths_k, max_q, max_k in batches:
+            cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                          for n in (lengths_q, lengths_k))
+            base = [torch.randn(sum(n), 3, 64).half() for n in (lengths_q, lengths_k, lengths_k)]
+            leaves = [t.clone().requires_grad_(True) for t in base]
+            out, lse = compiled(*leaves, cu_q, cu_k, max_q, max_k)
+            torch.autograd.grad((out, lse), leaves, (torch.randn_like(out), torch.randn_like(lse)))
+        assert op_graphs(counter) == 1, f"{compile_pass}: {op_graphs(counter)} graphs for {len(batches)} maxima"
     torch._dynamo.reset()
-
-
-def _op_graphs(counter):
-    """Graphs handed to the backend that call a flash_attn_hopper op (torch 2.14 also compiles an empty graph beside the
-    function's graph in test_compiled_varlen_new_max_seqlen_reuses_the_graph; a recompile is a second graph with the
-    op)."""
-    return sum("flash_attn_hopper" in g.code for g in counter.graphs)
 
 
 def _needs_compiler(backend):
@@ -460,7 +447,7 @@ def test_compiled_varlen_max_seqlen_from_data(cpu_ops, backend):
                     f"lengths {lengths}: the ops got {_varlen_maxima()}")
                 runs.append((out, lse, *grads))
             assert all(torch.equal(a, b) for a, b in zip(*runs)), f"lengths {lengths}: compiled != eager"
-        assert _op_graphs(counter) == 1, f"{_op_graphs(counter)} graphs for 4 maxima from data"
+        assert op_graphs(counter) == 1, f"{op_graphs(counter)} graphs for 4 maxima from data"
         CALLS.clear()
         with pytest.raises(RuntimeError, match=r"u\d+|max_seqlen"):  # the graph's assertion (see the test below)
             compiled(*[_randn(12, 2, 64) for _ in range(3)], torch.tensor([0, 5, 12], dtype=torch.int32), -100)

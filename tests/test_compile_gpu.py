@@ -140,6 +140,28 @@ def test_compile_varlen_fullgraph():
     assert torch.equal(compiled(q, k, v), f(q, k, v))
 
 
+def compiled_cold_then_cached(f):
+    """Yields ("cold" | "cached", compiled f, its CompileCounterWithBackend) twice: torch.compile(f) with inductor
+    (fullgraph, dynamic shapes) after torch._dynamo.reset(), inside an FX graph cache (point TORCHINDUCTOR_CACHE_DIR
+    at an empty directory first), so that the second pass compiles from the cache the first filled. Callers run
+    their calls inside each pass and count the graphs with op_graphs."""
+    import torch._inductor.config
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    for compile_pass in ("cold", "cached"):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+        with torch._inductor.config.patch(fx_graph_cache=True):
+            yield compile_pass, compiled, counter
+
+
+def op_graphs(counter):
+    """Graphs handed to the backend that call a flash_attn_hopper op (torch 2.14 also compiles an empty graph beside a
+    function's graph; a recompile is a second graph with the op)."""
+    return sum("flash_attn_hopper" in g.code for g in counter.graphs)
+
+
 def test_compile_varlen_new_max_seqlen_one_graph(tmp_path, monkeypatch):
     """torch.compile(dynamic=True, fullgraph=True) with inductor, a new max_seqlen_q/k on every call (the longest
     sequence of each batch, as a collator passes it, one reaching q's rows, and once bounds past the token totals):
@@ -148,9 +170,6 @@ def test_compile_varlen_new_max_seqlen_one_graph(tmp_path, monkeypatch):
     own: cold, then (after torch._dynamo.reset) from the cache the first filled. With torch 2.11, a guard on
     min(max_seqlen_q, q's rows) came back from the cache as `max_q < q.size()[0]` and the call reaching the rows
     recompiled (session 55, an H100 with a warm cache; tests/test_bug_reports_ninth_cpu.py has the CPU case)."""
-    import torch._inductor.config
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     head_dim, dtype = _built_head_dim()
 
@@ -163,31 +182,26 @@ def test_compile_varlen_new_max_seqlen_one_graph(tmp_path, monkeypatch):
                ([0, 513, 64, 2], [700, 513, 0, 3], 513, 700), ([1000], [1000], 1000, 1000),
                ([17, 257], [300, 33], 2048, 4096)]
     try:
-        for compile_pass in ("cold", "cached"):
-            torch._dynamo.reset()
-            counter = CompileCounterWithBackend("inductor")
-            compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
-            with torch._inductor.config.patch(fx_graph_cache=True):
-                for lengths_q, lengths_k, max_q, max_k in batches:
-                    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
-                                               device="cuda") for n in (lengths_q, lengths_k))
-                    # 3 heads: no size of the first call equal to another (dynamo would tie them and recompile when
-                    # they part)
-                    base = [torch.randn(sum(n), 3, head_dim, device="cuda", dtype=dtype)
-                            for n in (lengths_q, lengths_k, lengths_k)]
-                    dout = torch.randn_like(base[0])
-                    dlse = torch.randn(3, sum(lengths_q), device="cuda")
-                    runs = []
-                    for fn in (compiled, f):
-                        leaves = [t.clone().requires_grad_(True) for t in base]
-                        out, lse = fn(*leaves, cu_q, cu_k, max_q, max_k)
-                        grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
-                        runs.append((out, lse, *grads))
-                    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
-                        assert torch.equal(a, b), (f"{compile_pass}: lengths {lengths_q}/{lengths_k}: compiled "
-                                                   f"{name} != eager")
-            op_graphs = sum("flash_attn_hopper" in g.code for g in counter.graphs)  # (2.14 adds an empty graph)
-            assert op_graphs == 1, f"{compile_pass}: {op_graphs} graphs for {len(batches)} maxima"
+        for compile_pass, compiled, counter in compiled_cold_then_cached(f):
+            for lengths_q, lengths_k, max_q, max_k in batches:
+                cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                                           device="cuda") for n in (lengths_q, lengths_k))
+                # 3 heads: no size of the first call equal to another (dynamo would tie them and recompile when
+                # they part)
+                base = [torch.randn(sum(n), 3, head_dim, device="cuda", dtype=dtype)
+                        for n in (lengths_q, lengths_k, lengths_k)]
+                dout = torch.randn_like(base[0])
+                dlse = torch.randn(3, sum(lengths_q), device="cuda")
+                runs = []
+                for fn in (compiled, f):
+                    leaves = [t.clone().requires_grad_(True) for t in base]
+                    out, lse = fn(*leaves, cu_q, cu_k, max_q, max_k)
+                    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+                    runs.append((out, lse, *grads))
+                for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+                    assert torch.equal(a, b), (f"{compile_pass}: lengths {lengths_q}/{lengths_k}: compiled "
+                                               f"{name} != eager")
+            assert op_graphs(counter) == 1, f"{compile_pass}: {op_graphs(counter)} graphs for {len(batches)} maxima"
     finally:
         torch._dynamo.reset()
 
