@@ -197,9 +197,10 @@ struct BwdTileConfig {
 // 268 / 332 at 1024 / 2048 / 4096, while 16/4 (1024 CTAs) kept the group ahead (225 / 207, 297 / 285, 333-338 /
 // 300-311) and so did 16/2 without a mask (342-347 / 295-296 at 1024, 388-393 / 376-382 at 4096). With the rule
 // (session 56 call 4, rule / group forced): head_dim 256 causal 16/2 213-214 / 150, 292-293 / 201, 344-348 / 268 at
-// 1024 / 2048 / 4096; head_dim 192 causal 16/2 180-181 / 127, 277-278 / 222 at 1024 / 4096. Not measured: seqlen
-// 8192 and up (the group's deficit shrank from 4096 on), groups of 8 above 512 CTAs, the deterministic mode (the sums
-// then add dK / dV in head order), causal documents (kOther: they keep the older thresholds).
+// 1024 / 2048 / 4096; head_dim 192 causal 16/2 180-181 / 127, 277-278 / 222 at 1024 / 4096. Session 57 (H100, 2
+// rounds, rule / group forced): head_dim 256 causal 16/2 380-384 / 286-288 at 8192, 404 / 309-319 at 16384 (dense
+// 16/16 405-407, 411-415); deterministic 148 / 138 at 1024, 278-279 / 202-203 at 4096 (the sums then add dK / dV in
+// head order). Not measured: groups of 8 above 512 CTAs, causal documents (kOther: they keep the older thresholds).
 // Returns the query heads per CTA (1 or the group size). FAH_BWD_GQA_GROUP_CTA=1 or 0 forces either
 // (tests/test_bwd_gqa_group_gpu.py runs the GQA tests under both).
 enum class BwdMask { kNone, kCausalLike, kOther };
