@@ -5,12 +5,8 @@
 # first, no sections), 8 the deterministic mode in the default's order (only with 1: a CTA may otherwise wait on one
 # launched after it). Flags 1 / 2 / 8 give wrong orders, so only for timing. Dense 16/16 heads, 16k tokens, 2 rounds.
 #   carry [".prebuilt/pack/dx.tar.xz"]; OUT=$OUT bash scripts/device_dx_probe.sh
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/dx}; mkdir -p "$OUT"
-python3 -c "import tarfile; tarfile.open('.prebuilt/pack/dx.tar.xz').extractall('.prebuilt')" || exit 1
-cp -f .prebuilt/DX/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv | tee "$OUT/smi_dx.txt"
+TAG=dx source "$(dirname "$0")/device_packs.sh" dx
+use_pack DX
 for r in 1 2; do
   for c in "FAH_BWD_DEBUG=0" "FAH_BWD_DEBUG=4" "GQA_DETERMINISTIC=1 FAH_BWD_DEBUG=0" "GQA_DETERMINISTIC=1 FAH_BWD_DEBUG=1" \
            "GQA_DETERMINISTIC=1 FAH_BWD_DEBUG=3" "GQA_DETERMINISTIC=1 FAH_BWD_DEBUG=9" \

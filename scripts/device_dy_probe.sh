@@ -4,12 +4,8 @@
 # after the wait (a wrong order for the TMA reductions: timing only), 48 both. Session 57 so far (H100): no turn wait
 # +15 %, no completion wait 0 %, the turn awaited before the chunks are ready -1 to -2 %.
 #   carry [".prebuilt/pack/dx.tar.xz"]; OUT=$OUT bash scripts/device_dy_probe.sh
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/dy}; mkdir -p "$OUT"
-python3 -c "import tarfile; tarfile.open('.prebuilt/pack/dx.tar.xz').extractall('.prebuilt')" || exit 1
-cp -f .prebuilt/DX/_C.abi3.so flash_attn_hopper/_C.abi3.so || exit 1
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv | tee "$OUT/smi_dy.txt"
+TAG=dy source "$(dirname "$0")/device_packs.sh" dx
+use_pack DX
 for r in 1 2; do
   order=(0 16 32 48 1); (( r == 2 )) && order=(1 48 32 16 0)
   for f in "${order[@]}"; do
