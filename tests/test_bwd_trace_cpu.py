@@ -1,0 +1,32 @@
+"""scripts/bwd_trace.py's analysis of the backward trace probe's file (CPU, made-up data): the layout it parses is the
+one the probe writes (benchmarks/results/2026-12-06_session57/bwd_trace_probe_UNRUN.patch), and CTAs that ran no tile
+(varlen blocks past a sequence) stay out of the shares."""
+
+import importlib.util
+import os
+import struct
+
+import numpy as np
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bwd_trace.py")
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("bwd_trace", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_selftest_shares():
+    _module().selftest()  # asserts the overall share, key block 0's row and the start lead
+
+
+def test_ctas_without_tiles_are_left_out():
+    # One pair of 2 key blocks; key block 1 (launched first) ran no tile and has no times.
+    gx, slots = 2, 2
+    rows = [[0, 0, 0, 0] + [0] * 4, [100, 4100, 3, 2, 100, 0, 2100, 1755]]
+    raw = struct.pack("<4q", gx, 1, 1, slots) + np.array(rows, dtype=np.uint64).tobytes()
+    text = _module().analyze(raw, "t", 1.755)
+    assert "1 CTAs ran" in text, text
+    assert "waited 25.0 %" in text, text  # 1755 cycles = 1000 ns of 4000 ns
