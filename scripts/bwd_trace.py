@@ -2,8 +2,9 @@
 benchmarks/results/2026-12-06_session57/bwd_trace_probe_UNRUN.patch, whose launcher reads FAH_BWD_TRACE). One warm-up
 call, then one traced backward with deterministic=True; prints the share of the CTAs' time their writer spent waiting,
 by key block (tenths of the grid's key blocks; under a causal mask the longest CTAs are the first), by when the CTA
-started, and by the tile's place in its CTA's walk, and how long after key block n + 1 key block n started.
-bf16, dense, 16 heads, batch * seqlen = 16384 tokens. TRACE_CLOCK_GHZ (default 1.755) turns cycles into time.
+started, and by the tile's place in its CTA's walk, and how long after key block n + 1 key block n started. Shares
+are in SM cycles (clock64 on both sides); times in ns (globaltimer).
+bf16, dense, 16 heads, batch * seqlen = 16384 tokens.
 usage: bwd_trace.py [HEAD_DIM] [SEQLEN] [causal|full]          (--selftest: the analysis on made-up data, no GPU)"""
 import os
 import struct
@@ -13,20 +14,20 @@ import tempfile
 import numpy as np
 
 
-def analyze(raw, label, clock_ghz):
-    """raw: the launcher's file (int64 grid x, y, z, tile slots; per CTA 4 words then 2 per tile slot)."""
+def analyze(raw, label):
+    """raw: the launcher's file (int64 grid x, y, z, tile slots; per CTA 6 words (globaltimer start, end, SM, tiles,
+    clock64 start, end) then 2 per tile slot (globaltimer when ready, cycles waited))."""
     gx, gy, gz, slots = struct.unpack("<4q", raw[:32])
-    words = np.frombuffer(raw[32:], dtype=np.uint64).reshape(gx * gy * gz, 4 + 2 * slots).astype(np.int64)
+    words = np.frombuffer(raw[32:], dtype=np.uint64).reshape(gx * gy * gz, 6 + 2 * slots).astype(np.int64)
     start, end, tiles = words[:, 0], words[:, 1], words[:, 3]
     ran = tiles > 0
     t0 = start[ran].min()
-    waited = words[:, 5::2]
+    waited = words[:, 7::2]
     mask = np.arange(slots)[None, :] < tiles[:, None]
-    busy = (end - start).astype(np.float64)
-    share = 100 * waited[ran].sum() / clock_ghz / busy[ran].sum()
+    busy = (words[:, 5] - words[:, 4]).astype(np.float64)  # cycles
+    share = 100 * waited[ran].sum() / busy[ran].sum()
     lines = [f"{label}: grid {gx} x {gy} x {gz}, {int(ran.sum())} CTAs ran; kernel span "
-             f"{(end[ran].max() - t0) / 1e3:.1f} us; writers waited {share:.1f} % of their CTAs' time "
-             f"(clock {clock_ghz} GHz)"]
+             f"{(end[ran].max() - t0) / 1e3:.1f} us; writers waited {share:.1f} % of their CTAs' cycles"]
     n_block = gx - 1 - (np.arange(gx * gy * gz) % gx)  # deterministic mode launches the last key block first
 
     def table(name, key, buckets):
@@ -36,7 +37,7 @@ def analyze(raw, label, clock_ghz):
             if sel.any():
                 w = waited[sel][mask[sel]]
                 lines.append(f"  [{lo}, {hi}) | {int(sel.sum())} | {w.size} | {100 * (w > 2000).mean():.1f} % | "
-                             f"{100 * w.sum() / clock_ghz / busy[sel].sum():.1f} %")
+                             f"{100 * w.sum() / busy[sel].sum():.1f} %")
 
     tenth = max(1, gx // 10)
     table("key block", n_block, [(i, i + tenth) for i in range(0, gx, tenth)])
@@ -55,26 +56,28 @@ def analyze(raw, label, clock_ghz):
     if lead.size:
         lines.append(f"key block n started after n + 1 by (us): p10 {np.percentile(lead, 10) / 1e3:.2f}, median "
                      f"{np.median(lead) / 1e3:.2f}, p90 {np.percentile(lead, 90) / 1e3:.2f}; tile time (us, a CTA's "
-                     f"time over its tiles) median {np.median(busy[ran] / tiles[ran]) / 1e3:.2f}")
+                     f"time over its tiles) median {np.median((end - start)[ran] / tiles[ran]) / 1e3:.2f}")
     return "\n".join(lines)
 
 
 def selftest():
-    """Two pairs of 4 key blocks (causal: key block n walks 4 - n tiles); key block 0 waits 3510 cycles per tile."""
+    """Two pairs of 4 key blocks (causal: key block n walks 4 - n tiles, 2000 ns and 4000 cycles each); key block 0
+    waits its whole time, 4000 cycles per tile."""
     gx, gy, gz, slots = 4, 2, 1, 4
     rows = []
     for _ in range(gy * gz):
         for x in range(gx):
             n = gx - 1 - x
-            row = [1000 * x, 1000 * x + 2000 * (gx - n), 7, gx - n] + [0] * (2 * slots)
+            row = [1000 * x, 1000 * x + 2000 * (gx - n), 7, gx - n, 50_000, 50_000 + 4000 * (gx - n)]
+            row += [0] * (2 * slots)
             for i in range(gx - n):
-                row[4 + 2 * i], row[5 + 2 * i] = 1000 * x + 2000 * i, 3510 if n == 0 else 0
+                row[6 + 2 * i], row[7 + 2 * i] = 1000 * x + 2000 * i, 4000 if n == 0 else 0
             rows.append(row)
     raw = struct.pack("<4q", gx, gy, gz, slots) + np.array(rows, dtype=np.uint64).tobytes()
-    text = analyze(raw, "selftest", 1.755)
+    text = analyze(raw, "selftest")
     print(text)
-    # Key block 0 (the fourth CTA of each pair, 4 tiles): 4 x 3510 cycles = 8000 ns of its 8000 ns; all CTAs:
-    # 2 pairs x 8000 ns waited over 2 x (2000 + 4000 + 6000 + 8000) ns = 40 %.
+    # Key block 0 (the fourth CTA of each pair, 4 tiles): 16000 of its 16000 cycles; all CTAs: 2 x 16000 cycles waited
+    # over 2 x (4000 + 8000 + 12000 + 16000) = 40 %.
     assert "waited 40.0 %" in text, text
     assert "  [0, 1) | 2 | 8 | 100.0 % | 100.0 %" in text, text
     assert "median 1.00" in text, text
@@ -104,8 +107,7 @@ def main():
     del os.environ["FAH_BWD_TRACE"]
     with open(path, "rb") as f:
         raw = f.read()
-    print(analyze(raw, f"head_dim {hd} seqlen {s} {'causal' if causal else 'full'}",
-                  float(os.environ.get("TRACE_CLOCK_GHZ", "1.755"))))
+    print(analyze(raw, f"head_dim {hd} seqlen {s} {'causal' if causal else 'full'}"))
 
 
 if __name__ == "__main__":
