@@ -1,22 +1,20 @@
 """CPU checks of benchmarks/bench_attention.py that need no GPU: ``--help`` runs without importing torch's CUDA
 side, the arguments parse, and the table has a column group per direction."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
+from repo_scripts import load_script
+
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_attention.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_attention.py", "bench_attention")
 
 
 def test_help_runs_without_gpu():

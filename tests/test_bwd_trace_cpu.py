@@ -2,20 +2,15 @@
 one the probe writes (benchmarks/results/2026-12-06_session57/bwd_trace_probe_UNRUN.patch), and CTAs that ran no tile
 (varlen blocks past a sequence) stay out of the shares."""
 
-import importlib.util
-import os
 import struct
 
 import numpy as np
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bwd_trace.py")
+from repo_scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bwd_trace", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/bwd_trace.py", "bwd_trace")
 
 
 def test_selftest_shares():

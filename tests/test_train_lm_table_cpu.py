@@ -1,15 +1,10 @@
 """examples/train_lm.py's summary table names the steps its final train loss averages: fewer than FINAL_WINDOW when
 --steps is smaller (a first-time-user trial found "last 20 steps" over a 5-step run)."""
-import importlib.util
-from pathlib import Path
+from repo_scripts import load_script
 
 
 def _train_lm():
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
-    spec = importlib.util.spec_from_file_location("train_lm_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/train_lm.py", "train_lm_example")
 
 
 def _result(steps):
