@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where the deterministic head_dim 256 causal backward's time goes (0.82-0.83 of the default on the H100, issue 7 asks
-# >= 0.87). The DX pack (branch dx, FAH_HDIMS=256 bf16) reads FAH_BWD_DEBUG at every call: 1 no turn wait, 2 no wait for
+# >= 0.87). The DX pack (results/2026-12-06_session57/dx_probe.patch, 256 bf16) reads FAH_BWD_DEBUG at every call: 1 no turn wait, 2 no wait for
 # the dQ reductions to complete before the release, 4 the default mode in the deterministic launch order (last key block
 # first, no sections), 8 the deterministic mode in the default's order (only with 1: a CTA may otherwise wait on one
 # launched after it). Flags 1 / 2 / 8 give wrong orders, so only for timing. Dense 16/16 heads, 16k tokens, 2 rounds.

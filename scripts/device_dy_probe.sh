@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The deterministic head_dim 256 causal backward's turn wait, split further (DX pack rebuilt from branch dx, FAH_BWD_DEBUG):
+# The deterministic head_dim 256 causal backward's turn wait, split further (DX pack, dx_probe.patch, FAH_BWD_DEBUG):
 # 16 spins with relaxed loads and then one acq_rel fence (not an acquire load per spin), 32 drops the proxy fence
 # after the wait (a wrong order for the TMA reductions: timing only), 48 both. Session 57 so far (H100): no turn wait
 # +15 %, no completion wait 0 %, the turn awaited before the chunks are ready -1 to -2 %.
