@@ -3,7 +3,8 @@
 # pack FAH_HDIMS=128,256 bf16) against S56, and the DX pack's FAH_BWD_DEBUG=2 (turn waits kept, no wait for the
 # reductions to complete before the release: a wrong order, timing only). Session 57's DX probe (H100, head_dim 256
 # causal 16/16): deterministic 312 / 340 TFLOP/s at 4096 / 16384 against 357-360 / 380-386 without turn waits and
-# 372-377 / 409-412 by default. Predicted for DP: one poll round trip less per tile and hand-over, +2-6 % at head_dim 256 causal.
+# 372-377 / 409-412 by default. Predicted for DP: one poll round trip less per tile and hand-over, +2-6 % at
+# head_dim 256 causal.
 #   carry [".prebuilt/pack/s56.tar.xz", ".prebuilt/pack/dp.tar.xz", ".prebuilt/pack/dx.tar.xz"]
 TAG=dp source "$(dirname "$0")/device_packs.sh" s56 dp dx
 use_pack DP
