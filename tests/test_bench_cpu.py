@@ -7,14 +7,15 @@ import sys
 
 import pytest
 
-from repo_scripts import load_script
+from repo_scripts import ROOT, load_script
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_attention.py")
+RELATIVE = "benchmarks/bench_attention.py"
+SCRIPT = str(ROOT / RELATIVE)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("benchmarks/bench_attention.py", "bench_attention")
+    return load_script(RELATIVE, "bench_attention")
 
 
 def test_help_runs_without_gpu():
