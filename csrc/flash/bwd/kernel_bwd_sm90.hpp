@@ -989,14 +989,15 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
         consumers_sync();
 
         static_assert(Traits::kDQPass1InQ, "dQ passes staged in smem_dq and the Q stage");
+        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
+        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
         // Once the writer has read the previous tile's dQ chunks, its Q stage goes back to the producer (and smem_dq
-        // may take this tile's first pass).
+        // may take this tile's first pass). Awaited with dV and dK issued (neither reads that stage or smem_dq), so
+        // that the tensor cores run while the writer waits for its turn (deterministic mode).
         if (bidh > bidh0 || m_block > m_block_min) {
           cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
           pipeline.consumer_release(prev_read_state);
         }
-        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
-        wgmma</*zero_init=*/false>(tiled_mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), tdKrdK);
         CUTLASS_PRAGMA_UNROLL
         for (int pass = 0; pass < Traits::kDQPasses; ++pass) {
           // Columns [pass * kDQCols, (pass + 1) * kDQCols) of dQ_tile = dS K.
