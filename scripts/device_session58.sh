@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The next device session's first calls (prepared in session 57; CPU-compiled only): the deterministic head_dim 256
-# backward's turn waits (13-15 % of its time under a causal mask on the H100, session 57's DX / DY probes).
+# Session 58's first calls (prepared in session 57; ran in session 58: DQE won and landed, DT2 and DET2 lost):
+# the deterministic head_dim 256 backward's turn waits (13-15 % of its time under a causal mask on the H100,
+# session 57's DX / DY probes).
 # Candidates (head_dim 256 bf16 packs; the patches are in benchmarks/results/2026-12-06_session57/):
 #   DQE  (dqe_UNRUN.patch): the consumers await the writer's DQEmpty with dV and dK issued, not before (the default
 #        mode too).

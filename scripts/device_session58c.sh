@@ -12,7 +12,8 @@ TAG=s58c source "$(dirname "$0")/device_packs.sh" dqef
 use_pack DQEF
 FAH_BWD_DQ_LANES=2 timeout 90 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_deterministic_gpu.py \
   > "$OUT/tests_lanes2.log" 2>&1
-echo "tests with FAH_BWD_DQ_LANES=2 rc $?: $(tail -n 1 "$OUT/tests_lanes2.log")"; grep -m 10 "^FAILED" "$OUT/tests_lanes2.log"
+echo "tests with FAH_BWD_DQ_LANES=2 rc $?: $(tail -n 1 "$OUT/tests_lanes2.log")"
+grep -m 10 "^FAILED" "$OUT/tests_lanes2.log"
 points() {
   echo "== round $2: FAH_BWD_DQ_LANES=$1"
   env FAH_BWD_DQ_LANES=$1 GQA_DETERMINISTIC=1 GQA_CAUSAL=yes timeout 40 python3 scripts/gqa_bwd_points.py \
