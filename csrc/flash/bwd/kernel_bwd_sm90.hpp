@@ -994,7 +994,7 @@ CUTLASS_DEVICE void bwd_consumer(typename Traits::Params const& params, typename
         // Once the writer has read the previous tile's dQ chunks, its Q stage goes back to the producer (and smem_dq
         // may take this tile's first pass). Awaited with dV and dK issued (neither reads that stage or smem_dq), so
         // that the tensor cores run while the writer drains its reduce-adds or waits for its turn (H100, session 58,
-        // head_dim 256 bwd: default +1-5 %, deterministic +2-3 %; after the first dQ pass's GEMM instead: -1-2 %).
+        // head_dim 256 bwd: default +0-5 %, deterministic +0-3 %; after the first dQ pass's GEMM instead: -1-2 %).
         if (bidh > bidh0 || m_block > m_block_min) {
           cutlass::arch::NamedBarrier::sync(Traits::kDQBarrierThreads, Traits::kBarrierDQEmpty + warpgroup);
           pipeline.consumer_release(prev_read_state);
