@@ -11,6 +11,12 @@
 #   R=benchmarks/results/2026-12-06_session58: NAME=DQST PATCHES=$R/dq_store_probe_TIMING_ONLY.patch FAH_HDIMS=256
 #   FAH_DTYPES=bf16; NAME=DQNO the same with PATCHES=$R/dq_none_probe_TIMING_ONLY.patch (~3 min each here).
 TAG=s58e source "$(dirname "$0")/device_packs.sh" dqef dqst dqno
+# First the twenty-seventh bug-report round (never run on a GPU) on the head's kernels (DQEF is a full build).
+use_pack DQEF
+timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentyseventh_gpu.py \
+  > "$OUT/round27.log" 2>&1
+echo "round 27 rc $?: $(tail -n 1 "$OUT/round27.log")"
+grep -m 10 "^FAILED" "$OUT/round27.log"
 for b in DQEF DQST DQNO; do
   use_pack $b; echo "== $b"
   for c in yes no; do GQA_CAUSAL=$c timeout 30 python3 scripts/gqa_bwd_points.py 4096,16384 16 256 | grep -v "^#"; done
