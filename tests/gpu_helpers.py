@@ -86,7 +86,7 @@ def attention_inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtyp
 
 def poison_attention_memory(q, v, cu_seqlens_q=None):
     """NaN into the caching allocator at the sizes the forward and backward allocate: out / dout-like (v's head dim),
-    dQ, dK/dV, LSE and the backward's workspaces (the dQ accumulator at the kernel's padded width, LSE / D rows). A
+    dQ, dK, dV, LSE and the backward's workspaces (the dQ accumulator at the kernel's padded width, LSE / D rows). A
     packed varlen q (total_q, nheads, head_dim) takes its cu_seqlens_q: the workspaces then hold, per head, the rows
     up to cu_seqlens_q[-1] plus a whole tile per sequence (the op's layout, csrc/api/flash_api.cpp)."""
     e = q.element_size()
@@ -99,7 +99,8 @@ def poison_attention_memory(q, v, cu_seqlens_q=None):
         nseq, seen = (1, tokens) if cu_seqlens_q is None else (len(cu_seqlens_q) - 1, int(cu_seqlens_q[-1]))
         per_head = seen + nseq * BWD_SEQLEN_Q_ROUNDING
         rows = nheads * (-(-per_head // BWD_SEQLEN_Q_ROUNDING) * BWD_SEQLEN_Q_ROUNDING)
-    poison_allocator(q.numel() * e, tokens * nheads * v.shape[-1] * e, v.numel() * e, tokens * nheads * 4,
+    dk_bytes = v.numel() // v.shape[-1] * head_dim * e  # k's size: head_dim may differ from head_dim_v
+    poison_allocator(q.numel() * e, tokens * nheads * v.shape[-1] * e, v.numel() * e, dk_bytes, tokens * nheads * 4,
                      rows * kernel_head_dim(max(head_dim, v.shape[-1]), backward=True) * 4, rows * 4)
 
 

@@ -183,6 +183,9 @@ def set_mode(monkeypatch, mode):
 
 
 def assert_same_dq(name, a, b):
+    # Not a promise of the API (the GQA knob may change gradients' bits): it holds because neither dQ's per-tile code
+    # nor its summation order depends on heads_per_cta (config.hpp bwd_dq_lanes, kernel_bwd_sm90.hpp dq_turn, the
+    # workspace rows of bwd_workspace_row). A change that breaks that invariant must revisit these checks.
     if not torch.equal(bits(a), bits(b)):
         raise AssertionError(f"{name}: dQ differs between the GQA modes in {int((bits(a) != bits(b)).sum())} elements "
                              "(each head's dQ is the same per-tile code and the same ordered sum in both)")
@@ -251,7 +254,7 @@ def test_one_or_two_query_tiles_per_key_block(case, deterministic):
 MASKS = [
     (300, 1000, 3, 3, 256, 256, dict(causal=True), FP16),  # m_block_min 0-4: 5, 4, 3, 2, 1 tiles
     (1000, 300, 4, 2, 200, 200, dict(causal=True), BF16),  # rows 0-699 see no key; m_block_min 10-14
-    (200, 1200, 3, 3, 248, 248, dict(window_size=(100, 0)), FP16),  # 14 key blocks without a tile, then 1, 2, 3
+    (200, 1200, 3, 3, 248, 248, dict(window_size=(100, 0)), FP16),  # 14 key blocks without a tile, then 1, 2, 3, 3, 2
     (1500, 400, 4, 2, 256, 128, dict(window_size=(30, 50)), BF16),  # rows 0-1049 see no key; v narrower
     (700, 333, 3, 3, 128, 256, dict(window_size=(3, 2), softcap=15.0), FP16),  # q / k 128 on the 256 kernel
 ]
@@ -316,9 +319,10 @@ def test_group_cta_runs_heads_in_turn(case, deterministic, monkeypatch):
 # --------------------------------------------------- FO: varlen with empty, one-token and one-tile sequences
 
 
-# (1 query, 64 keys): one tile; (0, 300): key blocks without a tile; (513, 65): rows 0-447 see no key, 1-3 tiles per
-# key block from m_block_min 6-8; (64, 0): rows that see no key, no CTA; (1, 1); (130, 700): 3 tiles per key block
-# (causal), or none for the first 8 key blocks and 1, 2, 3 for the last (window).
+# (1 query, 64 keys): one tile; (0, 300): key blocks without a tile; (513, 65): causal, rows 0-447 see no key and the
+# two key blocks run 2 and 1 tiles (m_block_min 7, 8); under the window rows 0-439 see no key, 3 and 2 tiles
+# (m_block_min 6, 7); (64, 0): rows that see no key, no CTA; (1, 1); (130, 700): 3 tiles per key block but 2 for the
+# last (causal), or none for the first 8 key blocks and 1, 2, 3 for the last (window).
 VARLEN_LQ = [1, 0, 513, 64, 1, 130]
 VARLEN_LK = [64, 300, 65, 0, 1, 700]
 # (head_dim, opts, dtype)
