@@ -4,7 +4,8 @@
 # without masks up to seqlen_k 8192. Reasoning: in one lane key block n waits for n + 1, which reaches each query block
 # one tile earlier in its walk; in two lanes it waits for n + 2, two tiles earlier, and each queue is half as long.
 # The turn waits are 16-19 % of the CTAs' time (session 57/58 traces). Predicted +3-8 % at 4096 and 16384 causal, less
-# the second copy's zero fill and read (~3 % at 4096). Session 38's LN lost 1-5 % with two copies at head_dim 128.
+# the second copy's zero fill and read (~3 % at 4096). Session 36's LN lost 1-5 % with two copies at head_dim 128,
+# and session 55 lost them here under causal masks (-11 / -19 %): this prediction missed that (measured -12 to -19 %).
 # Also non-causal 16384 (one copy today: seqlen_k > 8192). 2 rounds in alternating order; the deterministic tests
 # with the copies forced, since their causal cases then run two lanes.
 #   carry [".prebuilt/pack/dqef.tar.xz"]; OUT=$OUT bash scripts/device_session58c.sh

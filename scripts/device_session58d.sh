@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 58's last timing call: DQL (dql_UNRUN.patch on cf14058, head_dim 256 bf16 pack): the head_dim 256
+# Session 58's last timing call: DQL (dql_lost.patch on cf14058, head_dim 256 bf16 pack): the head_dim 256
 # consumers await the writer's DQEmpty after the first dQ pass's GEMM, not before it (DQE, landed, put it after the
 # dV / dK issue). The tensor cores then run one more GEMM while the writer waits for its turn; the previous tile's Q
 # stage goes back to the producer that much later. Predicted: deterministic +1-4 %, default mode level (+-1 %).

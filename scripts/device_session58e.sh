@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepared in session 58, not run (too little device time was left). Timing probes with wrong results: how much
 # of the head_dim 256 backward's time is the dQ traffic. Each tile's writer sends 64 KB of fp32 dQ as TMA
-# reduce-adds into L2 (64 x 256 floats per 64 x 64 tile,
-# ~3.4 us of GEMMs per tile at ~410 TFLOP/s: ~19 GB/s per SM, ~2.5 TB/s over 132 SMs).
+# reduce-adds into L2 (64 x 256 floats per 64 x 64 tile, ~3.4 us of GEMMs per tile at ~410 TFLOP/s: ~19 GB/s per
+# SM, ~2.5 TB/s over 132 SMs).
 #   DQST: the same traffic as plain TMA stores (dq_store_probe_TIMING_ONLY.patch): the reduction's own cost.
 #   DQNO: no dQ leaves shared memory (dq_none_probe_TIMING_ONLY.patch): the traffic's whole cost.
 # Against DQEF (the head). If DQNO is far above DQEF (> 5 %), the dQ path bounds the kernel.
