@@ -102,31 +102,25 @@ def inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim_v, dt
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
 
 
-def run(q, k, v, dout, passes, **opts):
-    """(out, lse, [(dq, dk, dv) of each of `passes` backward passes through one forward]); on a GPU the allocator is
-    NaN-poisoned before the forward and before each pass (gpu_helpers.poison_attention_memory)."""
+def run(q, k, v, dout, passes, varlen=None, **opts):
+    """(out, lse, [(dq, dk, dv) of each of `passes` backward passes through one forward]); varlen = (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) runs attention_varlen. On a GPU the allocator is NaN-poisoned before the
+    forward and before each pass (gpu_helpers.poison_attention_memory)."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    if q.is_cuda:
-        poison_attention_memory(q, v)
-    out, lse = attention(*leaves, return_lse=True, **opts)
+    poison = () if varlen is None else (varlen[0],)
+
+    def poison_memory():
+        if q.is_cuda:
+            poison_attention_memory(q, v, *poison)
+
+    poison_memory()
+    if varlen is None:
+        out, lse = attention(*leaves, return_lse=True, **opts)
+    else:
+        out, lse = attention_varlen(*leaves, *varlen, return_lse=True, **opts)
     grads = []
     for _ in range(passes):
-        if q.is_cuda:
-            poison_attention_memory(q, v)
-        grads.append(tuple(g.detach() for g in torch.autograd.grad(out, leaves, dout, retain_graph=True)))
-    return out.detach(), lse.detach(), grads
-
-
-def run_varlen(q, k, v, dout, cu_q, cu_k, max_q, max_k, passes, **opts):
-    """run() through attention_varlen."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    if q.is_cuda:
-        poison_attention_memory(q, v, cu_q)
-    out, lse = attention_varlen(*leaves, cu_q, cu_k, max_q, max_k, return_lse=True, **opts)
-    grads = []
-    for _ in range(passes):
-        if q.is_cuda:
-            poison_attention_memory(q, v, cu_q)
+        poison_memory()
         grads.append(tuple(g.detach() for g in torch.autograd.grad(out, leaves, dout, retain_graph=True)))
     return out.detach(), lse.detach(), grads
 
@@ -354,8 +348,8 @@ def test_varlen_empty_and_one_token_sequences(case, deterministic, monkeypatch):
     dq = {}
     for mode in MODES:
         set_mode(monkeypatch, mode)
-        result = run_varlen(q, k, v, dout, *cu, max(VARLEN_LQ), max(VARLEN_LK), 2, deterministic=deterministic,
-                            **opts)
+        result = run(q, k, v, dout, 2, varlen=(*cu, max(VARLEN_LQ), max(VARLEN_LK)), deterministic=deterministic,
+                     **opts)
         same = repeatable(deterministic, False, dkv_in_registers=mode == "group-per-cta")
         check_passes(result, q, k, v, dout, f"FO varlen d{head_dim} {mode}", same, cu=cu, **opts)
         dq[mode] = result[2][0][0]
