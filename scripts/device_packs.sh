@@ -9,3 +9,13 @@ for stem in "$@"; do
 done
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv | tee "$OUT/smi_${TAG:-packs}.txt"
 use_pack() { cp -f ".prebuilt/$1/_C.abi3.so" flash_attn_hopper/_C.abi3.so || exit 1; }
+# head_dim 256 backward points of one build (session 59's A/Bs): causal and not at 4096 and 16384, deterministic causal
+# at both and non-causal at 16384; dense 16/16, bf16.  bwd256_points NAME ROUND
+bwd256_points() {
+  use_pack $1; echo "== round $2: $1 ${FAH_BWD_DQ_PAIR:-}"
+  for c in yes no; do GQA_CAUSAL=$c timeout 30 python3 scripts/gqa_bwd_points.py 4096,16384 16 256 | grep -v "^#"; done
+  GQA_DETERMINISTIC=1 GQA_CAUSAL=yes timeout 30 python3 scripts/gqa_bwd_points.py 4096,16384 16 256 \
+    | grep -v "^#" | sed 's/$/ deterministic/'
+  GQA_DETERMINISTIC=1 GQA_CAUSAL=no timeout 30 python3 scripts/gqa_bwd_points.py 16384 16 256 \
+    | grep -v "^#" | sed 's/$/ deterministic/'
+}

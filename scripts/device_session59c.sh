@@ -7,15 +7,8 @@
 #    without the pairs), for what the time limit leaves.
 #   carry [".prebuilt/pack/dqef.tar.xz", ".prebuilt/pack/dqpf.tar.xz"]
 TAG=s59c source "$(dirname "$0")/device_packs.sh" dqef dqpf
-points() {
-  use_pack $1; echo "== round $2: $1 ${FAH_BWD_DQ_PAIR:-}"
-  for c in yes no; do GQA_CAUSAL=$c timeout 30 python3 scripts/gqa_bwd_points.py 4096,16384 16 256 | grep -v "^#"; done
-  GQA_DETERMINISTIC=1 GQA_CAUSAL=yes timeout 30 python3 scripts/gqa_bwd_points.py 4096,16384 16 256 \
-    | grep -v "^#" | sed 's/$/ deterministic/'
-  GQA_DETERMINISTIC=1 GQA_CAUSAL=no timeout 30 python3 scripts/gqa_bwd_points.py 16384 16 256 \
-    | grep -v "^#" | sed 's/$/ deterministic/'
-}
-{ points DQEF 1; points DQPF 1; FAH_BWD_DQ_PAIR=0 points DQPF 1; points DQPF 2; points DQEF 2; } 2>&1 \
+{ bwd256_points DQEF 1; bwd256_points DQPF 1; FAH_BWD_DQ_PAIR=0 bwd256_points DQPF 1; bwd256_points DQPF 2
+  bwd256_points DQEF 2; } 2>&1 \
   | tee "$OUT/dqp_ab.txt"
 use_pack DQPF
 timeout ${TEST_S:-260} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_dq_pair_gpu.py \

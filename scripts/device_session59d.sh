@@ -6,15 +6,8 @@
 # 1. A/B against DQEF (the head), two rounds in alternating order; 2. the pairs' tests and the deterministic tests.
 #   carry [".prebuilt/pack/dqef.tar.xz", ".prebuilt/pack/dqp2.tar.xz"]
 TAG=s59d source "$(dirname "$0")/device_packs.sh" dqef dqp2
-points() {
-  use_pack $1; echo "== round $2: $1"
-  for c in yes no; do GQA_CAUSAL=$c timeout 30 python3 scripts/gqa_bwd_points.py 4096,16384 16 256 | grep -v "^#"; done
-  GQA_DETERMINISTIC=1 GQA_CAUSAL=yes timeout 30 python3 scripts/gqa_bwd_points.py 4096,16384 16 256 \
-    | grep -v "^#" | sed 's/$/ deterministic/'
-  GQA_DETERMINISTIC=1 GQA_CAUSAL=no timeout 30 python3 scripts/gqa_bwd_points.py 16384 16 256 \
-    | grep -v "^#" | sed 's/$/ deterministic/'
-}
-{ points DQEF 1; points DQP2 1; points DQP2 2; points DQEF 2; } 2>&1 | tee "$OUT/dqp2_ab.txt"
+{ bwd256_points DQEF 1; bwd256_points DQP2 1; bwd256_points DQP2 2; bwd256_points DQEF 2; } 2>&1 \
+  | tee "$OUT/dqp2_ab.txt"
 use_pack DQP2
 timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_dq_pair_gpu.py \
   tests/test_deterministic_gpu.py tests/test_bug_reports_twentyseventh_gpu.py > "$OUT/tests_DQP2.log" 2>&1

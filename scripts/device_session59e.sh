@@ -9,6 +9,7 @@ for b in DQEF DQP2; do
   GQA_DETERMINISTIC=1 GQA_CAUSAL=yes timeout 25 python3 scripts/gqa_bwd_points.py 4096,16384 16 256 | grep -v "^#" \
     | sed 's/$/ deterministic/'
 done 2>&1 | tee "$OUT/dqp2_ab.txt"
-timeout ${TEST_S:-60} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_dq_pair_gpu.py > "$OUT/tests_DQP2.log" 2>&1
+timeout ${TEST_S:-60} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_dq_pair_gpu.py \
+  > "$OUT/tests_DQP2.log" 2>&1
 echo "tests rc $?: $(tail -n 1 "$OUT/tests_DQP2.log")"
 grep -m 10 "^FAILED\|^ERROR" "$OUT/tests_DQP2.log"
