@@ -55,8 +55,9 @@ import torch
 
 from flash_attn_hopper import attention, attention_varlen
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref_grads, attention_varlen_ref_grads
-from gpu_helpers import (GRAD_NAMES, bits, check_attention, check_attention_varlen, poison_attention_memory,
-                         require_built)
+from gpu_helpers import (GRAD_NAMES, bits, check_attention, check_attention_varlen, cu_seqlens,
+                         poison_attention_memory, require_built)
+from test_mask_math_cpu import Window, kernel_window
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -68,22 +69,12 @@ DTYPE_IDS = {FP16: "fp16", BF16: "bf16"}
 
 
 def m_block_ranges(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), **_):
-    """[(m_block_min, m_block_max)] per key block: the query tiles its CTA runs (csrc/flash/common/mask.hpp
-    m_block_range, masks aligned to the bottom-right corner). Used to assert what each case exercises."""
-    unbounded = seqlen_q + seqlen_k
-    left, right = (unbounded if w < 0 else w for w in window_size)
-    if causal:
-        right = 0
-    offset = seqlen_k - seqlen_q
-    ranges = []
-    for n_block in range(-(-seqlen_k // BLOCK_N)):
-        first_key = n_block * BLOCK_N
-        last_key = min(first_key + BLOCK_N, seqlen_k) - 1
-        lo = max(first_key - offset - right, 0)
-        hi = min(last_key - offset + left + 1, seqlen_q)
-        m_min = lo // BLOCK_M
-        ranges.append((m_min, m_min if hi <= lo else -(-hi // BLOCK_M)))
-    return ranges
+    """[(m_block_min, m_block_max)] per key block: the query tiles its CTA runs, by test_mask_math_cpu's port of
+    csrc/flash/common/mask.hpp (kernel_window, Window.m_block_range) at the head_dim 256 backward's tiles. Used to
+    assert what each case exercises."""
+    left, right = kernel_window(window_size[0], 0 if causal else window_size[1], seqlen_q, seqlen_k)
+    window = Window(BLOCK_M, BLOCK_N, seqlen_q, seqlen_k, left, right)
+    return [window.m_block_range(n_block) for n_block in range(-(-seqlen_k // BLOCK_N))]
 
 
 def tile_counts(seqlen_q, seqlen_k, **opts):
@@ -323,10 +314,6 @@ VARLEN_LK = [64, 300, 65, 0, 1, 700]
 VARLEN_CASES = [(256, dict(causal=True), BF16), (248, dict(window_size=(40, 8)), FP16)]
 
 
-def offsets(lengths, device="cuda"):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
-
-
 def varlen_inputs(nheads, nheads_k, head_dim, dtype, device="cuda", seed=0):
     q, k, v, dout = inputs(1, sum(VARLEN_LQ), sum(VARLEN_LK), nheads, nheads_k, head_dim, head_dim, dtype,
                            device=device, seed=seed)
@@ -344,7 +331,7 @@ def test_varlen_empty_and_one_token_sequences(case, deterministic, monkeypatch):
     counts = [n for lq, lk in zip(VARLEN_LQ, VARLEN_LK) for n in tile_counts(lq, lk, **opts)]
     assert 0 in counts and 1 in counts and max(counts) > 2, counts  # key blocks with no tile, one, several
     q, k, v, dout = varlen_inputs(6, 2, head_dim, dtype, seed=head_dim)
-    cu = (offsets(VARLEN_LQ), offsets(VARLEN_LK))
+    cu = (cu_seqlens(VARLEN_LQ), cu_seqlens(VARLEN_LK))
     dq = {}
     for mode in MODES:
         set_mode(monkeypatch, mode)
