@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Session 60's last call: the twenty-eighth bug-report round's GPU file on DQEF (the head's C++), then why two dQ
-# copies lost under a causal mask (sessions 55 and 58: deterministic head_dim 256 causal -11 to -19 %): the turn
-# waits traced with one copy and with two (TRACE pack = bwd_trace_probe_UNRUN.patch on session 57's head; the lanes
-# code is the same in DQEF), head_dim 256 causal 4096 and 16384. If the waits fall with two copies while the kernel
-# span grows, the cost is elsewhere (memory), not the chain.
+# Prepared in session 60, not run (no machine came; the budget fell below a start). The twenty-eighth bug-report
+# round's GPU file on DQEF (the head's C++), then why two dQ copies lost under a causal mask (sessions 55 and 58:
+# deterministic head_dim 256 causal -11 to -19 %): the turn waits traced with one copy and with two (TRACE pack =
+# bwd_trace_probe_UNRUN.patch on session 57's head; the lanes code is the same in DQEF), head_dim 256 causal 4096 and
+# 16384. If the waits fall with two copies while the kernel span grows, the cost is elsewhere (memory), not the chain.
 #   carry [".prebuilt/pack/dqef.tar.xz", ".prebuilt/pack/trace.tar.xz"]
 TAG=s60e source "$(dirname "$0")/device_packs.sh" dqef trace
 use_pack DQEF
