@@ -72,15 +72,17 @@ def _check_strided(name, t):
         )
 
 
-def _check_shapes_agree(q, k, v):
+def _check_shapes_agree(q, k, v, varlen=False):
     """How q, k and v of rank 4 must agree (batch; seqlen_k; nheads_k, which divides nheads; head_dim of q and k),
-    ValueError naming the argument; also the rule of flash_attn_hopper.testing's references."""
+    ValueError naming the argument; also the rule of flash_attn_hopper.testing's references. varlen: rank-3 tensors
+    seen as one batch element, whose keys are counted in rows (total_k), not seqlen_k."""
     batch, _, nheads, head_dim = q.shape
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != batch:
             raise ValueError(f"{name} has batch {t.shape[0]} but q has batch {batch}")
     if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same seqlen_k, got k {k.shape[1]} and v {v.shape[1]}")
+        what = "number of rows (total_k)" if varlen else "seqlen_k"
+        raise ValueError(f"k and v must have the same {what}, got k {k.shape[1]} and v {v.shape[1]}")
     nheads_k = k.shape[2]
     if v.shape[2] != nheads_k:
         raise ValueError(f"v has {v.shape[2]} heads but k has {nheads_k}; k and v must have the same nheads_k")
@@ -99,8 +101,9 @@ def _check_same_dtype(q, k, v):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
 
 
-def _check_tensor_args(q, k, v):
-    """Shape/dtype/stride checks that need no GPU. Raises TypeError or ValueError naming the argument."""
+def _check_tensor_args(q, k, v, varlen=False):
+    """Shape/dtype/stride checks that need no GPU. Raises TypeError or ValueError naming the argument (varlen: see
+    _check_shapes_agree)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -114,7 +117,7 @@ def _check_tensor_args(q, k, v):
             raise ValueError(
                 f"{name} must have rank 4 (batch, seqlen, nheads, head_dim), got rank {t.dim()} with shape {tuple(t.shape)}"
             )
-    _check_shapes_agree(q, k, v)
+    _check_shapes_agree(q, k, v, varlen)
     batch, _, nheads, head_dim = q.shape
     for what, value in (("batch", batch), ("nheads", nheads)):
         if _over(value, _MAX_GRID_YZ):
@@ -207,7 +210,10 @@ def _check_devices(named_devices):
     """named_devices: [(name, torch.device)]. Raises ValueError unless all are the same CUDA device."""
     for name, dev in named_devices:
         if dev.type != "cuda":
-            raise ValueError(f"{name} is on device '{dev}'; flash_attn_hopper needs tensors on a CUDA device")
+            raise ValueError(
+                f"{name} is on device '{dev}'; flash_attn_hopper needs tensors on a CUDA device (an sm90 GPU: "
+                "H100, H200, H800, GH200)"
+            )
     first_name, first = named_devices[0]
     for name, dev in named_devices[1:]:
         if dev != first:
@@ -848,7 +854,7 @@ def _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                 f"with shape {tuple(t.shape)}"
             )
     if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        _check_tensor_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+        _check_tensor_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), varlen=True)
     else:
         _check_tensor_args(q, k, v)  # raises the TypeError naming the argument
     softmax_scale = _check_scale(softmax_scale, q.shape[-1])

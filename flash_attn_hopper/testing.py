@@ -170,7 +170,7 @@ def _check_shapes(q, k, v, dout=None, dlse=None, document_ids=None, varlen=False
         if t.dim() != rank:
             raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
     # attention_varlen checks its rank-3 tensors as one batch element too
-    _check_shapes_agree(*((t.unsqueeze(0) for t in (q, k, v)) if varlen else (q, k, v)))
+    _check_shapes_agree(*((t.unsqueeze(0) for t in (q, k, v)) if varlen else (q, k, v)), varlen=varlen)
     nheads = q.shape[-2]
     if dout is not None and tuple(dout.shape) != (*q.shape[:-1], v.shape[-1]):
         raise ValueError(f"dout must have out's shape {(*q.shape[:-1], v.shape[-1])}, got {tuple(dout.shape)}")

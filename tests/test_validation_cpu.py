@@ -375,7 +375,9 @@ def test_softcap_accepted(softcap):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_cpu_tensors_rejected(causal):
-    with pytest.raises(ValueError, match=r"^q is on device 'cpu'; flash_attn_hopper needs tensors on a CUDA device"):
+    # The message names the GPUs that run it: a user without one learns a CUDA device alone is not enough.
+    with pytest.raises(ValueError, match=r"^q is on device 'cpu'; flash_attn_hopper needs tensors on a CUDA device "
+                       r"\(an sm90 GPU: H100, H200, H800, GH200\)$"):
         attention(*_qkv(), causal=causal)
 
 
@@ -555,6 +557,13 @@ def test_varlen_rank(name):
     args[name] = args[name][None]
     with pytest.raises(ValueError, match=rf"^{name} must have rank 3 \(total_tokens, nheads, head_dim\)"):
         flash_attn_hopper.attention_varlen(args["q"], args["k"], args["v"], cu_q, cu_k, 20, 20)
+
+
+def test_varlen_k_v_rows_named_as_rows():
+    """A varlen k / v mismatch is in rows (total_k): the message must not speak of a seqlen_k varlen has not."""
+    q, k, v, cu_q, cu_k = _varlen_args()
+    with pytest.raises(ValueError, match=r"^k and v must have the same number of rows \(total_k\), got k 30 and v 10"):
+        flash_attn_hopper.attention_varlen(q, k, v[:10], cu_q, cu_k, 20, 20)
 
 
 @pytest.mark.parametrize(
