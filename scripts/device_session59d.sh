@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Prepared in session 59, not run (the device budget went to failed starts): key-block pairs with CTA-scope barrier
-# operations (DQP2); call 2's DQPF (cluster scope) ran at half speed. Build the pack here (~4 min):
+# Prepared in session 59, ran in session 60 (call 1; the pairs lost and are closed: benchmarks/NOTES.md "Session 60"):
+# key-block pairs with CTA-scope barrier operations (DQP2); call 2's DQPF (cluster scope) ran at half speed.
+# tests/test_dq_pair_gpu.py is not on main: it comes with the patch below (copy it in before a rerun).
+# Build the pack here (~4 min):
 #   NAME=DQP2 PATCHES=benchmarks/results/2026-12-06_session59/dq_pair_UNRUN_CTA_SCOPE.patch FAH_HDIMS=256 \
 #   FAH_DTYPES=bf16 bash scripts/build_pack.sh   (and NAME=DQEF bash scripts/build_pack.sh if missing: the head)
 # 1. A/B against DQEF (the head), two rounds in alternating order; 2. the pairs' tests and the deterministic tests.

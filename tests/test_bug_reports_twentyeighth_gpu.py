@@ -357,16 +357,14 @@ FQ_VARLEN_HEADS = 8
 
 
 def varlen_offset_inputs(lengths_q, lengths_k, nheads, head_dim, dtype, seed, device=None):
-    """Packed MHA q, k, v (V offset per head and per sequence, as offset_inputs) and their cu_seqlens."""
+    """Packed MHA q, k, v (V offset per head and per sequence, as offset_inputs)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(lengths_q), nheads, head_dim, generator=g)
     k = torch.randn(sum(lengths_k), nheads, head_dim, generator=g)
     seq = torch.repeat_interleave(torch.arange(len(lengths_k)), torch.tensor(lengths_k)).view(-1, 1, 1)
     v = torch.randn(sum(lengths_k), nheads, head_dim, generator=g) + ((seq + torch.arange(nheads).view(1, -1, 1)) % 8
                                                                       - 3.5)
-    cu = [torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32) for lengths in
-          (lengths_q, lengths_k)]
-    return [x.to(device=device or DEVICE, dtype=dtype) for x in (q, k, v)] + [c.to(device or DEVICE) for c in cu]
+    return [x.to(device=device or DEVICE, dtype=dtype) for x in (q, k, v)]
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(128, FP16), (64, BF16)], ids=["d128-fp16", "d64-bf16"])
@@ -380,7 +378,8 @@ def test_one_key_block_tiles_repeat_varlen(head_dim, dtype):
     assert len(lq) == len(lk) and min(lk) >= 1 and max(lk) <= BLOCK_N
     block_m = tile_height(head_dim, len(lq), FQ_VARLEN_HEADS, max(lq), max(lk))
     check_persistent_launch(head_dim, block_m, len(lq), FQ_VARLEN_HEADS, max(lq), max(lk))
-    q, k, v, cu_q, cu_k = varlen_offset_inputs(lq, lk, FQ_VARLEN_HEADS, head_dim, dtype, seed=head_dim)
+    q, k, v = varlen_offset_inputs(lq, lk, FQ_VARLEN_HEADS, head_dim, dtype, seed=head_dim)
+    cu_q, cu_k = gpu_helpers.cu_seqlens(lq), gpu_helpers.cu_seqlens(lk)
     name = f"FQ varlen d{head_dim} {block_m}-row"
     runs = []
     for _ in range(3):
