@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Session 61's last call, on DQEF (a full build of the head's C++; no C++ change since cf14058): the benchmark grid
 # (ours, cuDNN and FA2 in the same run, from 1024 to 16384, forward and backward, with the feature points) on
-# whichever card comes, then round 29's GPU file as mended after its review.
-#   carry [".prebuilt/pack/dqef.tar.xz"]
+# whichever card comes, after round 29's GPU file as mended after its review.
+#   carry [".prebuilt/pack/dqef.tar.xz"]; SEQLENS, FEATURES and GRID_S narrow the grid to the device time left.
 TAG=s61c source "$(dirname "$0")/device_packs.sh" dqef
 use_pack DQEF
-timeout ${GRID_S:-230} python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 \
-  --direction both --no-bar --json "$OUT/grid_S61.json" --summary "$OUT/grid_S61_summary.md" > "$OUT/grid.log" 2>&1
-echo "grid rc $?"; cat "$OUT/grid_S61_summary.md"
 timeout ${R29_S:-100} python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentyninth_gpu.py \
   --junitxml="$OUT/round29.xml" > "$OUT/round29.log" 2>&1
 echo "round 29 rc $?: $(tail -n 1 "$OUT/round29.log")"
 grep -m 15 "^FAILED\|^ERROR" "$OUT/round29.log"
 grep -o 'name="fs_[a-z]*_backward_paths" value="[a-z,]*"' "$OUT/round29.xml"
+timeout ${GRID_S:-230} python3 -m flash_attn_hopper.benchmark --seqlens ${SEQLENS:-1024,4096,16384} \
+  --direction both --features ${FEATURES:-dense,gqa,varlen,window,softcap,deterministic} --no-bar \
+  --json "$OUT/grid_S61.json" --summary "$OUT/grid_S61_summary.md" > "$OUT/grid.log" 2>&1
+echo "grid rc $?"; cat "$OUT/grid_S61_summary.md"
