@@ -275,7 +275,8 @@ def test_persistent_tiles_do_not_inherit_state(case, dtype):
     """FP (flashinfer#5029, tilelang#2674, aotriton#235, helion#3621): many tiles per persistent CTA with neighbours
     in the tile order at opposite score shifts; out and LSE by the rule per (batch, head), and bit for bit the same
     when batch elements and heads are permuted (every tile behind other tiles); in fp16 also dQ, dK, dV by the rule
-    per (batch, head) / (batch, K/V head)."""
+    per (batch, head) / (batch, K/V head), dQ against the reference whose D is formed from the returned out
+    (dq_from_stored_out says why)."""
     head_dim, block_m, batch, nheads, nheads_k, seqlen_q, seqlen_k, opts = case
     require_built(head_dim, dtype)
     check_persistent_launch(head_dim, block_m, batch, nheads, seqlen_q, seqlen_k, opts.get("causal", False),
