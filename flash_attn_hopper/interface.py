@@ -110,7 +110,9 @@ def _check_tensor_args(q, k, v, varlen=False):
         _check_strided(name, t)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are torch.float16 and torch.bfloat16")
+            hint = (" (cast with .to(torch.bfloat16), or compute q, k, v under torch.autocast)"
+                    if t.is_floating_point() else "")
+            raise TypeError(f"{name} has dtype {t.dtype}; supported dtypes are torch.float16 and torch.bfloat16{hint}")
     _check_same_dtype(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -799,7 +801,8 @@ def _bounded_offsets(cu, rows):
 def _check_max_seqlen(name, value):
     value = _traced_numpy(name, value, "int", symint=True)
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+        hint = " (pass int(t) or t.item())" if isinstance(value, torch.Tensor) else ""
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}{hint}")
     if torch.compiler.is_compiling():
         # the op takes SymInt, so a maximum that changes between calls stays symbolic (checked by range, not value);
         # one computed from data in the compiled code (.item() with capture_scalar_outputs) has no value at trace

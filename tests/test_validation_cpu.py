@@ -55,6 +55,8 @@ def test_unsupported_dtype(name, dtype):
     with pytest.raises(TypeError, match=rf"^{name} has dtype {re.escape(str(dtype))}") as info:
         attention(q, k, v)
     assert "torch.float16" in str(info.value) and "torch.bfloat16" in str(info.value)
+    # a floating dtype gets the way out (a cast, or autocast upstream); an integer one does not
+    assert ("torch.autocast" in str(info.value)) == dtype.is_floating_point, str(info.value)
 
 
 def test_all_float32_names_q():
@@ -596,6 +598,16 @@ def test_varlen_max_seqlen(max_q, max_k, exc, match):
     q, k, v, cu_q, cu_k = _varlen_args()
     with pytest.raises(exc, match=match):
         flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+def test_varlen_max_seqlen_tensor_names_the_fix():
+    """A maximum taken as seqlens.max() (a 0-d tensor) is refused with the way to pass it; a float gets no such hint."""
+    q, k, v, cu_q, cu_k = _varlen_args()
+    fix = re.escape("(pass int(t) or t.item())")
+    with pytest.raises(TypeError, match=rf"^max_seqlen_q must be a Python int, got Tensor {fix}$"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, torch.tensor(20), 20)
+    with pytest.raises(TypeError, match=r"^max_seqlen_k must be a Python int, got float$"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20.0)
 
 
 def test_varlen_valid_arguments_reach_the_device_check():
