@@ -2,9 +2,9 @@
 # Ran in session 61 (call 3, an H100; DQPT lost -16 to -19 % deterministic: benchmarks/NOTES.md "Session 61").
 # DQPT: the deterministic head_dim 256 backward's dQ turn per pass (a counter per dQ pass, so the next key block adds
 # its first pass while this one waits for its second; session 61's lanes trace put the deterministic loss in each
-# hand-off's lag, not in the slack between neighbours). Pack: NAME=DQPT FAH_HDIMS=256
-# FAH_DTYPES=bf16 bash scripts/build_pack.sh with PATCHES=benchmarks/results/2026-12-06_session61/
-# dq_turn_per_pass_LOST.patch (DQEF: the head, full build).
+# hand-off's lag, not in the slack between neighbours). Pack: NAME=DQPT FAH_HDIMS=256 FAH_DTYPES=bf16
+# PATCHES=benchmarks/results/2026-12-06_session61/dq_turn_per_pass_LOST.patch bash scripts/build_pack.sh
+# (DQEF: the head, full build).
 # 1. A/B against DQEF, two rounds in alternating order; 2. DQPT's deterministic and head_dim 256 backward tests;
 # 3. on DQEF, the two tests of test_bwd_gqa_group_gpu.py that the GPU check's time limit cut; 4. round 29 on DQEF.
 #   carry [".prebuilt/pack/dqef.tar.xz", ".prebuilt/pack/dqpt.tar.xz"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 61's last call, on DQEF (a full build of the head's C++; no C++ change since cf14058): the benchmark grid
-# (ours, cuDNN and FA2 in the same run, from 1024 to 16384, forward and backward, with the feature points) on
-# whichever card comes, after round 29's GPU file as mended after its review.
+# Prepared in session 61, not run (no machine came). On DQEF (a full build of the head's C++; no C++ change since
+# cf14058): the benchmark grid (ours, cuDNN and FA2 in the same run, from 1024 to 16384, forward and backward, with
+# the feature points) on whichever card comes, after round 29's GPU file as mended after its review.
 #   carry [".prebuilt/pack/dqef.tar.xz"]; SEQLENS, FEATURES and GRID_S narrow the grid to the device time left.
 TAG=s61c source "$(dirname "$0")/device_packs.sh" dqef
 use_pack DQEF
