@@ -19,3 +19,11 @@ bwd256_points() {
   GQA_DETERMINISTIC=1 GQA_CAUSAL=no timeout 30 python3 scripts/gqa_bwd_points.py 16384 16 256 \
     | grep -v "^#" | sed 's/$/ deterministic/'
 }
+# Round 29's GPU file with its junit record, and the path each compiled FS step took (session 61's scripts).
+round29_check() {
+  timeout ${R29_S:-100} python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentyninth_gpu.py \
+    --junitxml="$OUT/round29.xml" > "$OUT/round29.log" 2>&1
+  echo "round 29 rc $?: $(tail -n 1 "$OUT/round29.log")"
+  grep -m 15 "^FAILED\|^ERROR" "$OUT/round29.log"
+  grep -o 'name="fs_[a-z]*_backward_paths" value="[a-z,]*"' "$OUT/round29.xml"
+}

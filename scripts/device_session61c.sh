@@ -5,11 +5,7 @@
 #   carry [".prebuilt/pack/dqef.tar.xz"]; SEQLENS, FEATURES and GRID_S narrow the grid to the device time left.
 TAG=s61c source "$(dirname "$0")/device_packs.sh" dqef
 use_pack DQEF
-timeout ${R29_S:-100} python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentyninth_gpu.py \
-  --junitxml="$OUT/round29.xml" > "$OUT/round29.log" 2>&1
-echo "round 29 rc $?: $(tail -n 1 "$OUT/round29.log")"
-grep -m 15 "^FAILED\|^ERROR" "$OUT/round29.log"
-grep -o 'name="fs_[a-z]*_backward_paths" value="[a-z,]*"' "$OUT/round29.xml"
+round29_check
 timeout ${GRID_S:-230} python3 -m flash_attn_hopper.benchmark --seqlens ${SEQLENS:-1024,4096,16384} \
   --direction both --features ${FEATURES:-dense,gqa,varlen,window,softcap,deterministic} --no-bar \
   --json "$OUT/grid_S61.json" --summary "$OUT/grid_S61_summary.md" > "$OUT/grid.log" 2>&1

@@ -11,11 +11,7 @@
 #   carry [".prebuilt/pack/dqef.tar.xz", ".prebuilt/pack/dqtf.tar.xz"]
 TAG=s61d source "$(dirname "$0")/device_packs.sh" dqef dqtf
 use_pack DQEF
-timeout ${R29_S:-100} python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentyninth_gpu.py \
-  --junitxml="$OUT/round29.xml" > "$OUT/round29.log" 2>&1
-echo "round 29 rc $?: $(tail -n 1 "$OUT/round29.log")"
-grep -m 15 "^FAILED\|^ERROR" "$OUT/round29.log"
-grep -o 'name="fs_[a-z]*_backward_paths" value="[a-z,]*"' "$OUT/round29.xml"
+round29_check
 timeout ${R28_S:-120} python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentyeighth_gpu.py \
   -k persistent_tiles > "$OUT/round28_fp.log" 2>&1
 echo "round 28 FP rc $?: $(tail -n 1 "$OUT/round28_fp.log")"
