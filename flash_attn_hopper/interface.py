@@ -249,9 +249,13 @@ def _check_scale(softmax_scale, head_dim):
     softmax_scale = _as_float("softmax_scale", softmax_scale)
     # The kernel takes softmax_scale and softmax_scale * log2(e) as normal float32 values.
     if not (_FLOAT32_TINY <= softmax_scale <= _FLOAT32_MAX / math.log2(math.e)):
+        # FlashAttention-2's flash_attn_func / flash_attn_varlen_func take dropout_p where this takes softmax_scale
+        hint = ("; a 0.0 here is often a dropout_p passed by position, as FlashAttention-2's functions take it: "
+                "there is no dropout, and the options after the tensors are best passed by keyword"
+                if softmax_scale == 0.0 else "")
         raise ValueError(
             f"softmax_scale must be a positive float32-representable value in [{_FLOAT32_TINY:.3g}, "
-            f"{_FLOAT32_MAX / math.log2(math.e):.3g}], got {softmax_scale}"
+            f"{_FLOAT32_MAX / math.log2(math.e):.3g}], got {softmax_scale}{hint}"
         )
     return softmax_scale
 

@@ -276,6 +276,18 @@ def test_softmax_scale_not_finite_or_not_positive(bad):
         attention(*_qkv(), softmax_scale=bad)
 
 
+def test_softmax_scale_zero_names_the_dropout_mix_up():
+    """attention(q, k, v, 0.0) and attention_varlen(..., max_seqlen_k, 0.0) as FlashAttention-2's dropout_p: the
+    refusal says so; a negative scale gets no such hint."""
+    with pytest.raises(ValueError, match=r"got 0\.0; a 0\.0 here is often a dropout_p passed by position"):
+        attention(*_qkv(), 0.0)
+    q, k, v, cu_q, cu_k = _varlen_args()
+    with pytest.raises(ValueError, match=r"got 0\.0; a 0\.0 here is often a dropout_p passed by position"):
+        flash_attn_hopper.attention_varlen(q, k, v, cu_q, cu_k, 20, 20, 0.0)
+    with pytest.raises(ValueError, match=r"got -0\.5$"):
+        attention(*_qkv(), -0.5)
+
+
 @pytest.mark.parametrize(
     "bad", ["0.125", True, torch.tensor(0.125), [0.125], 1 + 2j], ids=["str", "bool", "tensor", "list", "complex"]
 )
