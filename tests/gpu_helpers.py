@@ -221,8 +221,17 @@ def bits(t):
     return t.detach().contiguous().view(torch.int16).clone()
 
 
-def cu_seqlens(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+def cu_seqlens(lengths, device="cuda"):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def assert_same_bits(a, b, name, why=""):
+    """a and b hold the same shape, dtype and bits (NaN == NaN); AssertionError naming `name` and how many elements
+    differ otherwise, with `why` (what a difference would mean) appended."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise AssertionError(f"{name}: {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}{why}")
+    if not torch.equal(bits(a), bits(b)):
+        raise AssertionError(f"{name}: {int((bits(a) != bits(b)).sum())} elements differ{why}")
 
 
 def in_canary_buffer(t, before, after):

@@ -88,7 +88,7 @@ import flash_attn_hopper
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads, attention_varlen_ref
 import gpu_helpers
 from cpu_stand_ins import _grads as stand_in_grads
-from gpu_helpers import bits, check_attention, check_attention_varlen, require_built
+from gpu_helpers import check_attention, check_attention_varlen, require_built
 from test_mask_math_cpu import kernel_window
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
@@ -205,9 +205,7 @@ def check_forward_per_slice(out, lse, q, k, v, name, **opts):
 
 
 def assert_same_bits(a, b, name):
-    if not torch.equal(bits(a), bits(b)):
-        changed = int((bits(a) != bits(b)).sum())
-        raise AssertionError(f"{name}: {changed} elements differ (a tile's result depends on where or when it ran)")
+    gpu_helpers.assert_same_bits(a, b, name, " (a tile's result depends on where or when it ran)")
 
 
 # ------------------------------------------------ FP: a persistent CTA's tiles must not inherit each other's state

@@ -69,9 +69,8 @@ def poison(q, v, cu_seqlens_q=None):
 
 
 def cu_tensor(lengths, device=None):
-    """gpu_helpers.cu_seqlens on `device` (the CPU dry run passes "cpu")."""
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
-                        device=device or DEVICE)
+    """gpu_helpers.cu_seqlens on `device`, by default DEVICE (the CPU run of these bodies sets it to "cpu")."""
+    return gpu_helpers.cu_seqlens(lengths, device or DEVICE)
 
 
 def doc_ids_tensor(rows, device=None):
@@ -411,8 +410,7 @@ def ft_check(x, out, lse, grads, name):
 
 
 def assert_same_bits(a, b, name):
-    if not (a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))):
-        raise AssertionError(f"{name}: not bit for bit the micro-batch's own result")
+    gpu_helpers.assert_same_bits(a, b, name, " (not bit for bit the micro-batch's own result)")
 
 
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=DTYPE_IDS.get)
