@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 62, the last call (the device budget no longer fits the full check): on DQEF (the head's kernels), the
-# thirtieth round's GPU file (it ran on the KVMC candidate build only), rounds 28 and 29, and the main forward,
-# backward, documents and deterministic files, against the final tree's Python.
+# Prepared in session 62, not run (five tries for a machine found none and spent the device budget): on DQEF (the
+# head's kernels), the thirtieth round's GPU file (it ran on the KVMC candidate build only), rounds 28 and 29, and the
+# main forward, backward, documents and deterministic files, against the tree's Python. ~60-120 s after the start.
 #   carry [".prebuilt/pack/dqef.tar.xz"]
 TAG=s62d source "$(dirname "$0")/device_packs.sh" dqef
 use_pack DQEF
