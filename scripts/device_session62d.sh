@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared in session 62, not run (five tries for a machine found none and spent the device budget): on DQEF (the
+# Prepared in session 62, not run (six failed starts spent the device budget): on DQEF (the
 # head's kernels), the thirtieth round's GPU file (it ran on the KVMC candidate build only), rounds 28 and 29, and the
 # main forward, backward, documents and deterministic files, against the tree's Python. ~60-120 s after the start.
 #   carry [".prebuilt/pack/dqef.tar.xz"]
