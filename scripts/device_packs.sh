@@ -27,3 +27,11 @@ round29_check() {
   grep -m 15 "^FAILED\|^ERROR" "$OUT/round29.log"
   grep -o 'name="fs_[a-z]*_backward_paths" value="[a-z,]*"' "$OUT/round29.xml"
 }
+# pytest on ARGS with its output in $OUT/NAME.log under a time limit (WORKERS empty: one process); prints "LABEL rc N:"
+# with pytest's last line, then the first failures.  pytest_log NAME LABEL SECONDS WORKERS ARGS...
+pytest_log() {
+  local name=$1 label=$2 secs=$3 workers=$4; shift 4
+  timeout "$secs" python3 -m pytest -q -p no:cacheprovider ${workers:+-n "$workers"} "$@" > "$OUT/$name.log" 2>&1
+  echo "$label rc $?: $(tail -n 1 "$OUT/$name.log")"
+  grep -m 20 "^FAILED\|^ERROR" "$OUT/$name.log"
+}

@@ -22,11 +22,9 @@ det128() {
 }
 { for r in "DQEF 1" "DQTF 1" "DQTF 2" "DQEF 2"; do bwd256_points $r; det128; done; } 2>&1 | tee "$OUT/dqtf_ab.txt"
 use_pack DQTF
-timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_deterministic_gpu.py \
-  tests/test_bug_reports_twentysixth_gpu.py tests/test_bug_reports_twentyseventh_gpu.py tests/test_bwd_gpu.py \
-  tests/test_documents_gpu.py tests/test_random_configs_gpu.py > "$OUT/tests_DQTF.log" 2>&1
-echo "tests rc $?: $(tail -n 1 "$OUT/tests_DQTF.log")"
-grep -m 15 "^FAILED\|^ERROR" "$OUT/tests_DQTF.log"
+pytest_log tests_DQTF tests ${TEST_S:-150} 8 tests/test_deterministic_gpu.py tests/test_bug_reports_twentysixth_gpu.py \
+  tests/test_bug_reports_twentyseventh_gpu.py tests/test_bwd_gpu.py tests/test_documents_gpu.py \
+  tests/test_random_configs_gpu.py
 timeout ${SAN_S:-150} python3 -m pytest -q -p no:cacheprovider tests/test_sanitizer_gpu.py -k "d256-bfloat16" \
   > "$OUT/sanitizer_DQTF.log" 2>&1
 echo "sanitizer rc $?: $(tail -n 1 "$OUT/sanitizer_DQTF.log")"

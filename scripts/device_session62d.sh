@@ -5,8 +5,6 @@
 #   carry [".prebuilt/pack/dqef.tar.xz"]
 TAG=s62d source "$(dirname "$0")/device_packs.sh" dqef
 use_pack DQEF
-timeout ${T_S:-300} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_bug_reports_thirtieth_gpu.py \
+pytest_log tests_s62d tests ${T_S:-300} 8 tests/test_bug_reports_thirtieth_gpu.py \
   tests/test_bug_reports_twentyninth_gpu.py tests/test_bug_reports_twentyeighth_gpu.py tests/test_fwd_gpu.py \
-  tests/test_bwd_gpu.py tests/test_documents_gpu.py tests/test_deterministic_gpu.py > "$OUT/tests_s62d.log" 2>&1
-echo "tests rc $?: $(tail -n 1 "$OUT/tests_s62d.log")"
-grep -m 20 "^FAILED\|^ERROR" "$OUT/tests_s62d.log"
+  tests/test_bwd_gpu.py tests/test_documents_gpu.py tests/test_deterministic_gpu.py
