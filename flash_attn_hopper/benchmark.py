@@ -1629,8 +1629,8 @@ def _title(doc):
 
 
 def format_summary(doc, comparison=None):
-    """Markdown for the README: metadata, a TFLOP/s table (ours with its p20-p80 half-spread), the features against
-    dense (format_feature_ratios), skipped features and the comparison verdict."""
+    """Markdown for the performance tables (docs/performance.md): metadata, a TFLOP/s table (ours with its p20-p80
+    half-spread), the features against dense (format_feature_ratios), skipped features and the comparison verdict."""
     m = doc.get("meta", {})
     clk = []
     for when in ("before", "after"):

@@ -128,7 +128,7 @@ else
       STATUS[cutlass]=ok; DETAIL[cutlass]="no wheel in .whl/; using the nvidia-cutlass already installed"
     else
       STATUS[cutlass]=FAILED
-      DETAIL[cutlass]="no .whl/nvidia_cutlass-*.whl: on a machine with network, in the repo root: pip download --no-deps --only-binary=:all: -d .whl nvidia-cutlass==4.2.0.0 (README, GPU check), then bring .whl/ here"
+      DETAIL[cutlass]="no .whl/nvidia_cutlass-*.whl: on a machine with network, in the repo root: pip download --no-deps --only-binary=:all: -d .whl nvidia-cutlass==4.2.0.0 (docs/gpu_check_and_benchmark.md, GPU check), then bring .whl/ here"
     fi
   else
     SITE_WRITABLE=$("$PY" -c 'import os, sysconfig; print(int(os.access(sysconfig.get_paths()["purelib"], os.W_OK)))' 2>/dev/null || echo 0)

@@ -281,8 +281,8 @@ def test_varlen_empty_key_sequences_in_canary_buffers(head_dim, causal):
     get output 0, LSE -inf and dQ 0."""
     dtype = built_dtype(head_dim)
     # Key sequences of 37 and 45 between the empty ones, not 2: at exactly two keys the backward's D = rowsum(dO * O),
-    # taken from the rounded O as in every FlashAttention backward, can put dQ / dK just past the rule (README,
-    # Accuracy at very short key ranges); this test is about the empty ones.
+    # taken from the rounded O as in every FlashAttention backward, can put dQ / dK just past the rule
+    # (docs/conventions.md, Accuracy at very short key ranges); this test is about the empty ones.
     lq, lk = [1, 2, 1, 2, 130], [0, 37, 0, 45, 0]
     q, k, v, dout = _varlen_inputs(lq, lk, 2, 2, head_dim, dtype)
     (qc, kc, vc, dc), check = in_canary_buffers(q, k, v, dout)

@@ -425,7 +425,8 @@ def test_several_calls_in_one_graph():
 @pytest.mark.parametrize("which", ["batch0", "heads0"])
 def test_zero_batch_or_zero_heads(which):
     """batch 0 (a zero-batch step of a static graph, the report) or zero heads: forward and backward return tensors
-    of the right shapes and dtypes without an error (README: empty problems return zeros / -inf without a launch)."""
+    of the right shapes and dtypes without an error (docs/conventions.md: empty problems return zeros / -inf without
+    a launch)."""
     head_dim = 128
     dtype = built_dtype(head_dim)
     batch, nheads, nheads_k = (0, 4, 2) if which == "batch0" else (2, 0, 0)

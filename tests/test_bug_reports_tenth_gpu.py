@@ -254,8 +254,8 @@ def _workspace_bytes(ws_outer, rows, kernel_dim, k, nheads_k, seqlen_k, batch):
 
 # https://github.com/pytorch/pytorch/issues/134756 (FlexAttention: creating the mask of a 96000-token sequence, OOM)
 # and https://github.com/karpathy/nanochat/issues/825 (a sliding window built as a full (Tq, Tk) mask: memory flat in
-# the window, quadratic in the sequence); README: varlen "work and memory grow with the number of tokens, not with
-# batch x max_seqlen"
+# the window, quadratic in the sequence); docs/conventions.md: varlen "work and memory grow with the number of tokens,
+# not with batch x max_seqlen"
 @pytest.mark.parametrize("case", ["documents", "varlen"])
 def test_peak_memory_linear_in_the_tokens(case):
     """test_bwd_gpu::test_bwd_peak_memory bounds dense non-causal MHA; here the features whose masks a library could

@@ -367,8 +367,9 @@ def test_strict_deterministic_mode_varlen_and_documents():
 # ----------------------------------------------------------------------------------------------- variable length
 
 
-# (len_q, len_k, sequences): under bottom-right causal every row sees no key, one key, or at least 8 (README: rows
-# that see two to four keys are where the backward's rounding of D = rowsum(dO * O) can exceed the rule)
+# (len_q, len_k, sequences): under bottom-right causal every row sees no key, one key, or at least 8
+# (docs/conventions.md: rows that see two to four keys are where the backward's rounding of D = rowsum(dO * O) can
+# exceed the rule)
 VARLEN_LIMIT_GROUPS = [(2, 9, 30000), (1, 12, 20000), (3, 1, 15000), (0, 2, 535)]
 
 

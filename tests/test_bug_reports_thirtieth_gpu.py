@@ -34,7 +34,7 @@ two or more masked blocks on the diagonal and the running max and sum were reset
 attention kernel that failed once its block size was not a power of two). Out, LSE, dQ, dK, dV by the rule.
 
 Inputs are plain Gaussian from fixed seeds (never zeros), batch 2, 4 query heads. No document has two or three tokens
-(README: the rule's limit at very short key ranges with few query rows).
+(docs/conventions.md: the rule's limit at very short key ranges with few query rows).
 
 Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py: "no CUDA GPU: GPU tests need an sm90
 GPU (H100/H200)"), and per test when the build lacks a head_dim / dtype. tests/test_bug_reports_thirtieth_cpu.py runs
@@ -182,8 +182,9 @@ def fu_premises(head_dim, head_dim_v, r, seqlen, rows):
 
 
 def check_one_key_rows(out, v, rows, name):
-    """Each row that sees one key returns that key's V row bit for bit (P is exactly 1 there; README, "O is
-    normalised ..."; tests/test_fwd_boundary_gpu.py::test_one_key_rows_exact), in every query head of its group."""
+    """Each row that sees one key returns that key's V row bit for bit (P is exactly 1 there; docs/performance.md,
+    "O is normalised ..."; tests/test_fwd_boundary_gpu.py::test_one_key_rows_exact), in every query head of its
+    group."""
     assert rows, f"{name}: the construction must have rows that see one key"
     b = torch.tensor([i for i, _ in rows], device=out.device)
     p = torch.tensor([j for _, j in rows], device=out.device)

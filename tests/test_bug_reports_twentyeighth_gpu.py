@@ -315,12 +315,12 @@ def dq_from_stored_out(q, k, v, dout, out, causal=False, window_size=(-1, -1)):
     and with |O| up to ~3 (the V offsets) fp16's rounding of O moves D by the naive reference's own order. fp32 math
     with D so formed (the CPU stand-in's) is at 3-7 times the rule's bound against the inputs-only reference on these
     cases, and the kernels failed it too, by 1.1-2.0 times at the first slice over (H100, session 61): the limit the
-    README's "accuracy at very short key ranges" and round 23's long-context check describe. The yardstick is not
-    widened by the change (the caller shifts the naive dQ by the two references' difference), so every other error
-    source still counts at the rule's usual bound: a wrong or stale LSE, P, D or dS, or the accumulation (out is the
-    checked forward's, bit for bit). What it no longer bounds is dQ's distance to the inputs-only reference, i.e.
-    the rounding of out that D inherits. The CPU's kernel-like emulation (dS rounded to fp16, D from the rounded
-    out) sits at 0.18-0.36 of this bound on these cases."""
+    "accuracy at very short key ranges" (docs/conventions.md) and round 23's long-context check describe. The yardstick
+    is not widened by the change (the caller shifts the naive dQ by the two references' difference), so every other
+    error source still counts at the rule's usual bound: a wrong or stale LSE, P, D or dS, or the accumulation (out is
+    the checked forward's, bit for bit). What it no longer bounds is dQ's distance to the inputs-only reference, i.e.
+    the rounding of out that D inherits. The CPU's kernel-like emulation (dS rounded to fp16, D from the rounded out)
+    sits at 0.18-0.36 of this bound on these cases."""
     _, lse = attention_ref(q, k, v, upcast=True, causal=causal, window_size=window_size)
     dq, _, _ = stand_in_grads(dout, q, k, v, out, lse, None, q.shape[-1] ** -0.5, causal, window_size, 0.0, None)
     return dq

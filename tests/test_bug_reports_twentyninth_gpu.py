@@ -37,8 +37,8 @@ copy taken when they were returned. pytorch/pytorch#139404 (a pipeline stage kep
 result: reordering the backwards could send wrong gradients), pytorch/pytorch#185331.
 
 Inputs are plain Gaussian (no V offset, so |O| stays small; the rows that see only one or two keys sit inside long
-sequences, not in whole sequences of two keys, so the README's limits of the rule at very short key ranges and large
-|O| do not apply); every output from NaN-poisoned memory (gpu_helpers.poison_attention_memory).
+sequences, not in whole sequences of two keys, so docs/conventions.md's limits of the rule at very short key ranges
+and large |O| do not apply); every output from NaN-poisoned memory (gpu_helpers.poison_attention_memory).
 
 Checked on the CPU (no GPU here): a dry run of this file's test functions with reference-based stand-ins of attention
 and attention_varlen (float32 references rounded to the input dtype; backwards from the saved out and LSE, D from the

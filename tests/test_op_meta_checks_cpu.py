@@ -1,5 +1,5 @@
-"""Direct ``torch.ops.flash_attn_hopper.*`` calls on meta tensors (the README's FLOP counting, shape tracing), and the
-loader's advice when the dynamic loader refuses the extension.
+"""Direct ``torch.ops.flash_attn_hopper.*`` calls on meta tensors (docs/training.md's FLOP counting, shape tracing),
+and the loader's advice when the dynamic loader refuses the extension.
 
 Found by a first-time-user trial of the README (session 47): meta and fake tensors never reach the C++ ops' checks,
 so the fake kernels accepted float32 inputs, head_dim 60, nheads 2 over nheads_k 3, a negative softmax_scale, window

@@ -330,7 +330,7 @@ _TRACED_MASK_REFUSAL = ("flash_attn_hopper: an attention_mask cannot be traced b
 def _tracing_outside_dynamo():
     """A tracer that runs this Python code and keeps what it reads on the host as constants (torch.jit.trace, make_fx,
     AOTAutograd, torch.export's non-strict mode, fake tensors: interface._graph_tracing); dynamo instead breaks the
-    graph at the host read (or raises with fullgraph=True), as README says."""
+    graph at the host read (or raises with fullgraph=True), as docs/transformers.md says."""
     return _interface._graph_tracing() and not torch.compiler.is_dynamo_compiling()
 
 
