@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 63, call 4: USED (the forward's O normalised by the sum of the rounded P it multiplies V with; a build of
-# head_dim 64 and 128 made on the CPU machine from benchmarks/results/2026-12-06_session63/fwd_used_sum.patch) against
+# head_dim 64 and 128 made on the CPU machine from benchmarks/results/2026-12-06_session63/fwd_used_sum_LOST.patch) against
 # DQEF (the head's kernels, full build). First the GPU test files on USED (the other head dims skip: not in its
 # build), then forward TFLOP/s, bf16, two rounds in the order DQEF, USED, USED, DQEF.
 #   carry [".prebuilt/pack/dqef.tar.xz", ".prebuilt/pack/used.tar.xz", ".whl"]
