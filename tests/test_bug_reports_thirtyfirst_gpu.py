@@ -283,8 +283,8 @@ def run_case(cls, dtype, head_dim, layout):
 # fwd_used_sum_LOST.patch) passed every case here on an H100 and cost the forward 5-16 % (benchmarks/NOTES.md, session
 # 63), so it did not land; FW's own fix (fwd_fp16_clamp.patch beside it) is prepared, not yet run on a GPU. strict: a
 # kernel that passes these cases fails the test run until the mark is removed; raises: only a wrong out (KnownFault)
-# counts as the expected failure, so the construction's checks and the LSE's still fail a marked case. The controls (stale_max at head_dim 64 and 96, where the maximum moves and
-# the dominant P is 1) carry no mark and must pass.
+# counts as the expected failure, so the construction's checks and the LSE's still fail a marked case. The controls
+# (stale_max at head_dim 64 and 96, where the maximum moves and the dominant P is 1) carry no mark and must pass.
 KNOWN_FAULTS = {
     "FW": "fp16 O of values at 65504 comes back inf: O normalised by the sum of the unrounded P while P V uses P "
           "rounded to fp16 (benchmarks/NOTES.md, session 63; fix prepared: fwd_fp16_clamp.patch)",
