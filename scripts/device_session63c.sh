@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 63, the call after device_session63b.sh found no machine (one call instead of two, device budget short):
+# Session 63, call 5 (device budget short, so tests and timing in one call):
 # USEDF (a full build of benchmarks/results/2026-12-06_session63/fwd_used_sum_LOST.patch: the forward's O normalised by
 # the sum of the rounded P it multiplies V with) against DQEF (the head's kernels, full build). First the forward's
 # GPU test files and the thirty-first round on USEDF, then forward TFLOP/s, bf16, two rounds in the order DQEF,

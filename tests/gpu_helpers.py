@@ -6,6 +6,7 @@ only, so under `python -O` / PYTHONOPTIMIZE the asserts of a helper module vanis
 whatever the kernels return (tests/bug_report_sources.md, class DS)."""
 
 import contextlib
+import zlib
 
 import pytest
 import torch
@@ -214,6 +215,11 @@ def check_varlen(head_dim, head_dim_v, nheads_k, dtype, name, **opts):
     poison_allocator(*sizes)
     grads = torch.autograd.grad(out, leaves, dout)
     check_attention_varlen(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, f"{name} varlen", **opts)
+
+
+def seeded_generator(name):
+    """A CPU torch.Generator seeded from name (stable across runs and processes, unlike hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
 
 
 def bits(t):

@@ -41,7 +41,6 @@ GPU (H100/H200)"), and per test when the build lacks a head_dim / dtype. tests/t
 the premises of every case, the tile table against csrc/flash/config.hpp, and some of these bodies through the library's
 Python layer with tests/cpu_stand_ins.py."""
 
-import zlib
 
 import pytest
 import torch
@@ -78,10 +77,6 @@ def poison(q, v):
 
 def gaussian(shape, g, dtype, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dtype)
-
-
-def seeded(name):
-    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
 
 
 def run_and_check(q, k, v, dout, name, dlse=None, deterministic=False, **opts):
@@ -209,7 +204,7 @@ def test_document_boundaries_on_both_passes_block_grids(config, causal):
         seqlen, rows = fu_rows(head_dim, head_dim_v, r)
         fu_premises(head_dim, head_dim_v, r, seqlen, rows)
         name = f"FU {config} {'causal' if causal else 'full'} r={r:+d}"
-        g = seeded(name)
+        g = gpu_helpers.seeded_generator(name)
         q = gaussian((BATCH, seqlen, NHEADS, head_dim), g, dtype)
         k = gaussian((BATCH, seqlen, FU_NHEADS_K, head_dim), g, dtype)
         v = gaussian((BATCH, seqlen, FU_NHEADS_K, head_dim_v), g, dtype)
@@ -293,7 +288,7 @@ def test_non_power_of_two_key_blocks_at_their_edges(config, family):
                                                         window[0], 0 if causal else window[1], sms)
         assert rows == FWD_TILES[FV_WIDTH][0], f"the forward now runs {rows}-row tiles here"
         name = f"FV {config} {family} r={r:+d}"
-        g = seeded(name)
+        g = gpu_helpers.seeded_generator(name)
         q = gaussian((BATCH, seqlen_q, NHEADS, head_dim), g, dtype, scale)
         k = gaussian((BATCH, seqlen_k, nheads_k, head_dim), g, dtype, scale)
         v = gaussian((BATCH, seqlen_k, nheads_k, head_dim_v), g, dtype)

@@ -216,7 +216,7 @@ def test_the_bias_crosses_the_line(design):
     below_one = torch.finfo(dtype).eps / 2  # the spacing of dtype's values just below 1
     assert 1 - factor >= 1.1 * below_one / 2, factor  # past the midpoint below 1 by a tenth of it, at least
     assert rounded(factor, dtype) == 1 - below_one  # c = 1 comes back one ulp low
-    g = gpu_file.seeded("values")
+    g = gpu_file.gpu_helpers.seeded_generator("values")
     values = gpu_file.value_table(cls, dtype, (4, 256), g).double()
     moved = torch.tensor([rounded(c * factor, dtype) != c for c in values.flatten().tolist()])
     assert moved.float().mean().item() > 0.25
@@ -234,7 +234,7 @@ def test_naive_reference_rounding_cancels(design):
     for weight in heavy:
         assert abs(place(weight, dtype) - 0.5) >= 0.1, (weight, place(weight, dtype))
     assert abs(total - 1) <= (6e-5 if dtype == FP16 else 5e-4), total
-    values = gpu_file.value_table(cls, dtype, (4, 256), gpu_file.seeded("values")).flatten().tolist()
+    values = gpu_file.value_table(cls, dtype, (4, 256), gpu_file.gpu_helpers.seeded_generator("values")).flatten().tolist()
     assert all(rounded(c * total, dtype) == c for c in values)
 
 

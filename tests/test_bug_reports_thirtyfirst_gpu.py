@@ -67,7 +67,6 @@ Skipped, with the reason, without an sm90 GPU and the built extension (conftest.
 lacks the head_dim / dtype."""
 
 import contextlib
-import zlib
 
 import pytest
 import torch
@@ -120,10 +119,6 @@ def poison(q, v, cu_seqlens_q=None):
     gpu_helpers.poison_attention_memory(q, v, cu_seqlens_q)
 
 
-def seeded(name):
-    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
-
-
 def designed_score(cls, dtype, shape="spread"):
     """(seqlen_k, score): the designed score, exactly representable in dtype ("spread": r in (-0.7, -0.5); "stale":
     -a, a in (3, 5.5))."""
@@ -167,7 +162,7 @@ def query(shape, g):
 def dense_inputs(cls, dtype, head_dim, layout, name):
     """q, k, v on DEVICE in dtype, and the exact output (float32, q's shape but v's columns)."""
     batch, seqlen_q, nheads, nheads_k, shape = DENSE_LAYOUTS[layout]
-    g = seeded(name)
+    g = gpu_helpers.seeded_generator(name)
     column = key_scores(cls, dtype, shape)
     seqlen_k = column.numel()
     q = query((batch, seqlen_q, nheads, head_dim), g)
@@ -183,7 +178,7 @@ def varlen_inputs(cls, dtype, head_dim, name):
     """Packed q, k, v on DEVICE, int32 cu_seqlens, their maxima, and the exact output (float32; 0 for the sequence
     without keys)."""
     nheads, nheads_k = VARLEN_HEADS
-    g = seeded(name)
+    g = gpu_helpers.seeded_generator(name)
     column = key_scores(cls, dtype)
     lengths_k = [column.numel() if has else 0 for has in VARLEN_KEYS]
     q = query((sum(VARLEN_SEQLENS_Q), nheads, head_dim), g)
