@@ -380,9 +380,9 @@ _WRONG_RESULT = r"infinite where the exact output|max abs error"
 @pytest.mark.parametrize("case", ALL_CASES, ids=[case_id(c) for c in ALL_CASES])
 def test_gpu_check_fails_for_the_unrounded_sum(cpu_bodies, case):
     """The kernel model with O divided by the sum of the unrounded P (the code of softmax.hpp's finalize on this
-    path) fails every GPU case, FW with an infinite out, FX by the rule (one ulp against a naive error of about 0 and
-    a floor below an ulp), except the controls: the stale maximum at head_dim 64 and 96, where the maximum moves and
-    the dominant key's P is 1, passes."""
+    path; the model leaves out the fp16 epilogue's clamp, session 64's fix of FW) fails every GPU case, FW with an
+    infinite out, FX by the rule (one ulp against a naive error of about 0 and a floor below an ulp), except the
+    controls: the stale maximum at head_dim 64 and 96, where the maximum moves and the dominant key's P is 1, passes."""
     cpu_bodies.setattr(gpu_file, "flash_attn_hopper", library_on_cpu("unrounded_sum"))
     if not expected_to_fail(case):
         run_gpu_body(case)

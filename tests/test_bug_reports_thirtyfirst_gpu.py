@@ -57,11 +57,11 @@ What ran (session 63): on the head's kernels (H200) both classes failed as the c
 stale_max controls at head_dim 64 / 96, as the CPU file's emulation of the kernel's softmax does (with l from the
 unrounded P the emulation returns inf (FW) and one ulp low (FX); with l from the rounded P it passes them all). A build
 that normalises O by the sum of the rounded P (keeping the unrounded sum for the LSE) passed all 42 on an H100 and
-cost the forward 5-16 %, so it did not land. Both classes are known faults of the kernels, kept as strict expected
-failures (KNOWN_FAULTS below) until their fixes land: for FW, a clamp of finite O to fp16's range in the fp16
-epilogue (benchmarks/results/2026-12-06_session63/fwd_fp16_clamp.patch: built, its spills unchanged, not yet run on a
-GPU; exact here because O is a convex combination of V's rows, so only the weights' excess takes a finite O past
-65504); for FX, a cheaper way to the sum of the rounded P (the row sum in the P V MMA, as cuDNN's prefill does).
+cost the forward 5-16 %, so it did not land, nor did two other ways to the same sum tried in session 64 (in P V's
+WGMMAs: -2 to -10 %; through mma.sync: -5 to -28 %; benchmarks/NOTES.md, sessions 63-64). FX is a known fault of the
+kernels, kept as strict expected failures (KNOWN_FAULTS below). FW is fixed since session 64 by a clamp of finite O
+to fp16's range in the fp16 epilogue (exact here: O is a convex combination of V's rows, so only the weights' excess
+takes a finite O past 65504) and must pass.
 
 Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py), and per test where the build
 lacks the head_dim / dtype."""
@@ -214,7 +214,7 @@ def naive_with_float32_accumulation():
 
 
 class KnownFault(AssertionError):
-    """A wrong out of the kind KNOWN_FAULTS names (FW's infinity, out against the rule): the only failure the
+    """A wrong out of the kinds the reports name (FW's infinity, out against the rule): the only failure FX's
     expected-failure marks accept. The construction's checks and the LSE's raise plain AssertionError, so that a
     broken construction or a wrong LSE fails a marked case as well."""
 
@@ -273,16 +273,14 @@ def run_case(cls, dtype, head_dim, layout):
 
 
 # Known faults, kept as strict expected failures: the kernels normalise O by the sum of the unrounded P, as
-# FlashAttention's forwards do (Dao-AILab/flash-attention#2721, open: its fix was slow). The fix built in session 63
-# (O over the sum of the rounded P, the LSE from the unrounded one; benchmarks/results/2026-12-06_session63/
-# fwd_used_sum_LOST.patch) passed every case here on an H100 and cost the forward 5-16 % (benchmarks/NOTES.md, session
-# 63), so it did not land; FW's own fix (fwd_fp16_clamp.patch beside it) is prepared, not yet run on a GPU. strict: a
-# kernel that passes these cases fails the test run until the mark is removed; raises: only a wrong out (KnownFault)
-# counts as the expected failure, so the construction's checks and the LSE's still fail a marked case. The controls
-# (stale_max at head_dim 64 and 96, where the maximum moves and the dominant P is 1) carry no mark and must pass.
+# FlashAttention's forwards do (Dao-AILab/flash-attention#2721, open: its fix was slow). Three ways to the sum of the
+# rounded P (the fix) passed every case here on an H100 and cost the forward 2-28 % (benchmarks/NOTES.md, sessions
+# 63-64; the patches are under benchmarks/results/), so none landed. FW (inf) has its own fix, the fp16 clamp, and no
+# mark. strict: a kernel that passes these cases fails the test run until the mark is removed; raises: only a wrong out
+# (KnownFault) counts as the expected failure, so the construction's checks and the LSE's still fail a marked case. The
+# controls (stale_max at head_dim 64 and 96, where the maximum moves and the dominant P is 1) carry no mark and must
+# pass.
 KNOWN_FAULTS = {
-    "FW": "fp16 O of values at 65504 comes back inf: O normalised by the sum of the unrounded P while P V uses P "
-          "rounded to fp16 (benchmarks/NOTES.md, session 63; fix prepared: fwd_fp16_clamp.patch)",
     "FX": "O normalised by the sum of the unrounded P while P V uses P rounded to fp16 / bf16: one ulp off where "
           "every P rounds one way (benchmarks/NOTES.md, session 63)",
 }
@@ -303,7 +301,7 @@ def known_fault(cls, head_dim, layout):
 # stale_max: gabrieldemarmiesse/torch-mojo-backend#398 (FA4: the dominant P not exactly 1, "the normalized dominant
 # coefficient is effectively bf16(p)/p"), Dao-AILab/flash-attention#2717 (the rescale-skip's stale maximum lets P grow
 # past 1, and row_sum sums the P before the conversion that P V uses)
-FW_PARAMS = [pytest.param(head_dim, layout, marks=known_fault("FW", head_dim, layout), id=f"{head_dim}-{layout}")
+FW_PARAMS = [pytest.param(head_dim, layout, id=f"{head_dim}-{layout}")
              for layout in ("gqa", "decode_mqa", "varlen", "stale_max") for head_dim in HEAD_DIMS]
 
 
