@@ -387,7 +387,8 @@ def test_gpu_check_fails_for_the_unrounded_sum(cpu_bodies, case):
     if not expected_to_fail(case):
         run_gpu_body(case)
         return
-    # KnownFault: the wrong out that the GPU file's expected-failure marks accept (not the construction, not the LSE)
+    # KnownFault: the wrong out that FX's expected-failure marks accept and unmarked FW fails on (not the construction,
+    # not the LSE)
     with pytest.raises(gpu_file.KnownFault, match=_WRONG_RESULT) as failure:
         run_gpu_body(case)
     if case[0] == "FW":
@@ -441,3 +442,25 @@ def test_gpu_body_through_the_library_with_stand_ins(cpu_bodies, case):
     with cpu_stand_ins.stand_ins(cpu_bodies, "round 31's test bodies"), pytest.raises(gpu_file.KnownFault,
                                                                                     match=_WRONG_RESULT):
         run_gpu_body(case)
+
+
+# ------------------------------------------------ FW in the forward's exact pass
+
+def test_exact_pass_case_premises():
+    """The GPU file's exact-pass case: its scaled scores pass the main kernel's bound (the rows are flagged: |m| *
+    scale_log2 >= kExactRowsLimitLog2) and the exact pass's (|LSE| in log2 units >= half of it), and the pass's float32
+    sum of O over the keys one at a time (fmaf(1, 65504, o)) divided by the key count passes 65520, which fp16 rounds to
+    inf: without a clamp the case fails, with one it asks for +-65504 exactly."""
+    softmax = (CSRC / "common" / "softmax.hpp").read_text()
+    m = re.search(r"constexpr float kExactRowsLimitLog2 = ([0-9.]+)f;", softmax)
+    assert m, "kExactRowsLimitLog2 not found in softmax.hpp"
+    limit = float(m.group(1))
+    score = gpu_file.EXACT_PASS_VALUE ** 2 * 64
+    assert score * math.log2(math.e) >= limit
+    assert (score + math.log(gpu_file.EXACT_PASS_SEQLEN_K)) * math.log2(math.e) >= limit / 2
+    o = torch.zeros((), dtype=torch.float32)
+    v = torch.tensor(gpu_file.FP16_MAX, dtype=torch.float32)
+    for _ in range(gpu_file.EXACT_PASS_SEQLEN_K):
+        o = o + v
+    mean = o / gpu_file.EXACT_PASS_SEQLEN_K
+    assert mean.item() >= 65520.0 and torch.isinf(mean.half())

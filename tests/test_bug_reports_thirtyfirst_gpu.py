@@ -61,12 +61,15 @@ cost the forward 5-16 %, so it did not land, nor did two other ways to the same 
 WGMMAs: -2 to -10 %; through mma.sync: -5 to -28 %; benchmarks/NOTES.md, sessions 63-64). FX is a known fault of the
 kernels, kept as strict expected failures (KNOWN_FAULTS below). FW is fixed since session 64 by a clamp of finite O
 to fp16's range in the fp16 epilogue (exact here: O is a convex combination of V's rows, so only the weights' excess
-takes a finite O past 65504) and must pass.
+takes a finite O past 65504) and must pass. What ran (session 64, an H100, the full GPU check): FW 20 of 20 passed,
+FX's 18 marked cases failed as marked and its 4 controls passed. The exact-pass case at the end of the file was added
+after that run, with the same clamp in csrc/flash/fwd/exact_rows_sm90.hpp, and has not yet run on a GPU.
 
 Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py), and per test where the build
 lacks the head_dim / dtype."""
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -272,7 +275,7 @@ def run_case(cls, dtype, head_dim, layout):
         run_dense(cls, dtype, head_dim, layout, name)
 
 
-# Known faults, kept as strict expected failures: the kernels normalise O by the sum of the unrounded P, as
+# The known fault (FX), kept as strict expected failures: the kernels normalise O by the sum of the unrounded P, as
 # FlashAttention's forwards do (Dao-AILab/flash-attention#2721, open: its fix was slow). Three ways to the sum of the
 # rounded P (the fix) passed every case here on an H100 and cost the forward 2-28 % (benchmarks/NOTES.md, sessions
 # 63-64; the patches are under benchmarks/results/), so none landed. FW (inf) has its own fix, the fp16 clamp, and no
@@ -336,3 +339,32 @@ def test_values_equal_along_the_keys_come_back_exactly(dtype, head_dim, layout):
     the exact output is c, the naive reference returns c exactly, and so must the kernel, up to the rule's floor
     (below one ulp of c). stale_max at head_dim 64 and 96 is the control (the maximum moves there)."""
     run_case("FX", dtype, head_dim, layout)
+
+
+# ------------------------------------------------ FW in the forward's exact pass (session 64's review)
+
+# Rows whose scaled scores pass kExactRowsLimitLog2 (csrc/flash/common/softmax.hpp) are recomputed by
+# csrc/flash/fwd/exact_rows_sm90.hpp, which sums O over the keys one at a time in float32: with every P equal and V at
+# 65504 that sum drifts to 65520 (inf in fp16) from about 16,400 keys (tests/test_bug_reports_thirtyfirst_cpu.py).
+EXACT_PASS_VALUE = 32.0  # q = k: scores 32 * 32 * 64 = 65536, x log2(e) past the exact pass's bound
+EXACT_PASS_SEQLEN_K = 32768
+
+
+def test_fp16_output_at_the_top_of_the_range_in_the_exact_pass():
+    """Every key's score is 65536 (q = k = 32, head_dim 64, softmax_scale 1), so the rows go to the exact pass and
+    every P is 1; v is +-65504 along each column (alternating signs by column): the exact output is v's row, exactly,
+    and the LSE 65536 + log(32768). fp16 must return +-65504, not inf. Not yet run on a GPU when written (session 64,
+    with the clamp it checks)."""
+    require_built(64, FP16)
+    q = torch.full((1, 3, 1, 64), EXACT_PASS_VALUE, device=DEVICE, dtype=FP16)
+    k = torch.full((1, EXACT_PASS_SEQLEN_K, 1, 64), EXACT_PASS_VALUE, device=DEVICE, dtype=FP16)
+    row = torch.full((64,), FP16_MAX, device=DEVICE, dtype=FP16)
+    row[1::2] = -FP16_MAX
+    v = row.expand(1, EXACT_PASS_SEQLEN_K, 1, 64).contiguous()
+    poison(q, v)
+    out, lse = flash_attn_hopper.attention(q, k, v, softmax_scale=SOFTMAX_SCALE, return_lse=True)
+    bad = (~torch.isfinite(out)).sum().item()
+    assert bad == 0, f"out holds {bad} of {out.numel()} elements non-finite where the exact output is +-65504"
+    assert torch.equal(out, row.expand_as(out)), f"out differs from v's row: {out[0, :, 0, :4].tolist()}"
+    expected_lse = EXACT_PASS_VALUE ** 2 * 64 + math.log(EXACT_PASS_SEQLEN_K)
+    assert (lse.double() - expected_lse).abs().max().item() <= 1e-5 * expected_lse, f"lse {lse.flatten().tolist()}"
