@@ -1,7 +1,9 @@
 // Online softmax in the exp2 domain (FlashAttention-3 paper §3.1; FlashAttention-2 §3.1 for the recurrence).
 #pragma once
 
+#include <cfloat>
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 
@@ -34,6 +36,22 @@ constexpr float kRescaleThresholdLog2 = 8.f;
 // the kernel (flash/fwd/exact_rows_sm90.hpp): past ~2^31 P overflowed or vanished (NaN or zero rows; bf16 q = k = v =
 // 133120, PyTorch issue 121558) and fp16's P could not hold 2^r from ~2^27.
 constexpr float kExactRowsLimitLog2 = 65536.f;  // 2^16
+
+// O's value before its store as Element: for fp16, finite values clamped to fp16's range (inf and NaN pass). O is a
+// convex combination of V's rows, so |O| <= 65504, but the forward's weights may sum to a little more than 1: P rounded
+// to fp16 for P V over the sum l of the unrounded P (up to 1 + 2^-11), or the exact pass's float32 sum over many keys
+// (V at 65504 and every P equal reach 65520 from about 16,400 keys); values at 65504 then came out as inf (the
+// thirty-first round, tests/bug_report_sources.md). (Normalising by the sum of the rounded P instead, as
+// Dao-AILab/flash-attention#2721 proposes, also ends the one-ulp bias, but cost the forward 5-16 % with the sum on the
+// CUDA cores, 2-10 % with it in P V's WGMMAs and 5-28 % through mma.sync, on an H100: benchmarks/NOTES.md, sessions
+// 63-64.)
+template <class Element>
+CUTLASS_HOST_DEVICE float o_in_range(float o) {
+  if constexpr (std::is_same_v<Element, cutlass::half_t>) {
+    if (fabsf(o) <= FLT_MAX) { return fminf(fmaxf(o, -65504.f), 65504.f); }
+  }
+  return o;
+}
 
 inline ScoreScales score_scales(float softmax_scale, float softcap) {
   float const scale = softcap > 0.f ? softcap : softmax_scale;

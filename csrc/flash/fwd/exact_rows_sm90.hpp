@@ -8,10 +8,8 @@
 #pragma once
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -115,14 +113,7 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
                    (info.offset_q + int64_t(i)) * f.o_row_stride + bidh * f.o_head_stride;
     for (int t = 0; t < kExactRowsMaxDimsPerLane; ++t) {
       int const d = lane + 32 * t;
-      float value = o[t] * inv;
-      if constexpr (std::is_same_v<Element, cutlass::half_t>) {
-        // As the main kernel's fp16 epilogue: O is a convex combination of V's rows, but the float32 sum over many
-        // keys drifts (V at 65504 and every P equal reach 65520, inf in fp16, from about 16,400 keys). Finite values
-        // are clamped to fp16's range; inf and NaN pass.
-        if (fabsf(value) <= FLT_MAX) { value = fminf(fmaxf(value, -65504.f), 65504.f); }
-      }
-      if (d < f.head_dim_v) { out[d] = Element(value); }
+      if (d < f.head_dim_v) { out[d] = Element(o_in_range<Element>(o[t] * inv)); }  // (fp16: clamped)
     }
     if (lane == 0) { *lse = empty ? -INFINITY : fmaf(m, float(M_LN2), logf(l)); }
   }

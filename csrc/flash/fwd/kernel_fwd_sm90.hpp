@@ -10,8 +10,6 @@
 //                      through shared memory and a TMA store per warpgroup (fwd_store_o_smem), LSE from registers.
 #pragma once
 
-#include <cfloat>
-
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -662,18 +660,8 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
   cute::array<float, kRows> lse;
   auto inv_sum = softmax.template finalize<kFixedMax>(params.score_scale, lse, rounding, rounding_stride);
   OnlineSoftmax<kRows>::scale_rows(tOrO, inv_sum);
-  if constexpr (cute::is_same_v<Element, cutlass::half_t>) {
-    // O is a convex combination of V's rows, so |O| <= 65504, but its weights, P rounded to fp16 for P V over the sum
-    // l of the unrounded P, may sum to up to 1 + 2^-11: values at fp16's largest, 65504, came out as inf (the
-    // thirty-first round, tests/bug_report_sources.md). Finite values are clamped to fp16's range; inf and NaN pass.
-    // (Normalising by the sum of the rounded P instead, as Dao-AILab/flash-attention#2721 proposes, also ends the
-    // one-ulp bias, but cost the forward 5-16 % with the sum on the CUDA cores, 2-10 % with it in P V's WGMMAs and
-    // 5-28 % through mma.sync, on an H100: benchmarks/NOTES.md, sessions 63-64.)
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tOrO); ++i) {
-      if (fabsf(tOrO(i)) <= FLT_MAX) { tOrO(i) = fminf(fmaxf(tOrO(i), -65504.f), 65504.f); }
-    }
-  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tOrO); ++i) { tOrO(i) = o_in_range<Element>(tOrO(i)); }  // (fp16: clamped to its range)
   Tensor tOrO_out = convert_type<Element>(tOrO);
   Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor c = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
