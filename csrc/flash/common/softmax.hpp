@@ -213,11 +213,11 @@ struct OnlineSoftmax {
   // as v * bf16(p) / p, up to one bf16 ulp off v (an online maximum gives that key a P within 1e-6 of 1, which rounds
   // to exactly 1). Adds sum(bf16(p) - p) of this block to the row's rounding sum (tSrS: P in float32; tOrP: P as P V
   // reads it, in S's register order), and O is normalised by l plus that sum (finalize<true>). Called on boundary key
-  // blocks only: a row that sees fewer keys than a block holds has them all there, so its O is normalised by the sum of
-  // the P it used, up to float32 summation (one key: p + (bf16(p) - p) = bf16(p) exactly, each step exact); on interior
-  // blocks, where every row sees every key, a long row's rounding errors average out as in the online softmax. The
-  // LSE keeps the unrounded sum, from which the backward recomputes P: a one-key row's P is within ~1e-5 of 1 there,
-  // rounds to 1, and the key's dV is the exact dO.
+  // blocks only, and adds only for the rows whose own mask cuts the block: a row that sees fewer keys than a block
+  // holds has them all in such blocks, so its O is normalised by the sum of the P it used, up to float32 summation (one
+  // key: p + (bf16(p) - p) = bf16(p) exactly, each step exact); on blocks a row sees whole a long row's rounding errors
+  // average out as in the online softmax. The LSE keeps the unrounded sum, from which the backward recomputes P: a
+  // one-key row's P is within ~1e-5 of 1 there, rounds to 1, and the key's dV is the exact dO.
   // rounding: this thread's rounding sums, row r at rounding[r * stride]: shared memory at head_dim 96/128 (out of the
   // main loop's registers, where two more live values made ptxas reload others from local memory every key block),
   // else a register array of the caller.
@@ -231,9 +231,16 @@ struct OnlineSoftmax {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four dependency chains instead of one
+      bool masked_key = false;
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kCols; ++j) { sum[j % 4] += float(p(r, j)) - s(r, j); }
-      rounding[r * stride] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      for (int j = 0; j < kCols; ++j) {
+        sum[j % 4] += float(p(r, j)) - s(r, j);
+        masked_key |= s(r, j) == 0.f;
+      }
+      // Only rows that the mask crosses in this block (a masked key's P is exactly 0, a visible key's at least
+      // exp(-2c) > 0): whether a row is corrected then depends on its own keys alone, not on the tile it shares
+      // with other rows, so a row's bits are the same in a prefill, a decode call or a chunk (round 32's GA).
+      if (quad_max(masked_key ? 1.f : 0.f) != 0.f) { rounding[r * stride] += (sum[0] + sum[1]) + (sum[2] + sum[3]); }
     }
   }
 
