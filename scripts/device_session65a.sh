@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 65, call A, on the head's kernels (pack head: 258d693 built on the CPU machine): round 31's GPU file (its
-# exact-pass fp16 case had never run on a GPU) and round 32's (GA's fixed-maximum case predicted to fail here), then the benchmark grid (bf16 with the feature points, fp16 dense)
-# when the card is an H200; on another card only the dense bf16 grid at 4096 and 16384.
+# exact-pass fp16 case had never run on a GPU) and round 32's (GA's fixed-maximum case predicted to fail here), then
+# the benchmark grid (bf16 with the feature points, fp16 dense) when the card is an H200; on another card only the
+# dense bf16 grid at 4096 and 16384.
 #   carry [".prebuilt/pack/head.tar.xz"]
 TAG=s65a source "$(dirname "$0")/device_packs.sh" head
 use_pack HEAD

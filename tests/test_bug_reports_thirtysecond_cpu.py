@@ -97,11 +97,13 @@ def test_ga_rows_lie_on_every_block_edge():
 
 
 def test_ga_fixed_max_rows_whose_correction_differs():
-    """The predicted failure of test_prefill_rows_equal_decode_and_chunks_fixed_max_softcap, by the port: with the
-    fixed maximum, OnlineSoftmax::add_rounding runs on a block iff the tile's mask crosses it. Row 127 sees block 0
-    whole; the prefill's tile 0 crosses it (rows 0-126 are masked there), its decode call's tile does not. Row 255 the
-    same for block 1. Rows 256-276 see block 1 whole: interior in the prefill's tile 2, crossed in chunk [149, 300)'s
-    tile 0 (its first rows, 149-255, end inside block 1)."""
+    """What test_prefill_rows_equal_decode_and_chunks_fixed_max_softcap guards, by the port: rows that see a block
+    whole in tiles that the mask crosses in one call and not in another. Row 127 sees block 0 whole; the prefill's
+    tile 0 crosses it (rows 0-126 are masked there), its decode call's tile does not. Row 255 the same for block 1.
+    Rows 256-276 see block 1 whole: interior in the prefill's tile 2, crossed in chunk [149, 300)'s tile 0 (its first
+    rows, 149-255, end inside block 1). With the fixed maximum, OnlineSoftmax::add_rounding ran on every row of a
+    crossed block until session 65, which gave these rows different bits per call; it now adds only for rows whose own
+    mask cuts the block (none of these)."""
     head_dim, head_dim_v, _, opts = gpu_file.GA_FIXED_MAX
     block_n = BLOCK_N[kernel_head_dim(max(head_dim, head_dim_v))]
     for row, block in ((127, 0), (255, 1)):
