@@ -5,8 +5,9 @@
   configuration's tile (128 rows; 128, 112 or 64 keys): every key block a row sees is visited by the prefill's tile,
   the decode call's and the chunk's; for some rows a block the row sees whole is crossed by the mask of one call's
   tile and interior in another's (so the two copies of the forward's main loop, kSplitMaskLoop, and the fixed-maximum
-  softcap's correction on crossed blocks, meet the same row); and, for the fixed-maximum case, the rows whose
-  correction differs (the GPU test's predicted failure). The serving batch packs exactly the dense rows.
+  softcap's correction on crossed blocks, meet the same row); and, for the fixed-maximum case, the rows whose block
+  is crossed by one call's tile mask and not another's, which the correction by the tile's mask (until session 65)
+  treated differently and the correction by the row's own mask does not. The serving batch packs exactly the dense rows.
 - FY's chain rule (float64, the library's references): the GPU check of the user Function downstream of the attention
   (y = 2 A(2q)) through the references of A.
 - FY's and FZ's GPU bodies through the library's own Python layer, op schemas and autograd nodes with
@@ -89,14 +90,14 @@ def test_ga_calls_visit_what_each_row_sees_and_mask_it_differently(config):
 
 
 def test_ga_rows_lie_on_every_block_edge():
-    """GA_ROWS hold, for each key block of the configurations (64, 112, 128 keys), a row ending a block ((i + 1) a
-    multiple: its decode call's last block is whole) and one starting a block."""
+    """GA_ROWS hold, for every edge of the configurations' key blocks (64, 112, 128 keys) inside the sequence, the row
+    ending the block before it (its decode call's last block is whole) and the row starting the block after it."""
     for block_n in sorted(set(BLOCK_N.values())):
-        assert any((i + 1) % block_n == 0 for i in gpu_file.GA_ROWS), block_n
-        assert any(i % block_n == 0 and i > 0 for i in gpu_file.GA_ROWS), block_n
+        for edge in range(block_n, gpu_file.GA_SEQLEN, block_n):
+            assert edge - 1 in gpu_file.GA_ROWS and edge in gpu_file.GA_ROWS, (block_n, edge)
 
 
-def test_ga_fixed_max_rows_whose_correction_differs():
+def test_ga_fixed_max_rows_whose_tile_mask_differs():
     """What test_prefill_rows_equal_decode_and_chunks_fixed_max_softcap guards, by the port: rows that see a block
     whole in tiles that the mask crosses in one call and not in another. Row 127 sees block 0 whole; the prefill's
     tile 0 crosses it (rows 0-126 are masked there), its decode call's tile does not. Row 255 the same for block 1.
@@ -114,6 +115,12 @@ def test_ga_fixed_max_rows_whose_correction_differs():
         calls = _calls(row, opts, block_n)
         assert not calls["prefill"][0][1] and calls["chunk 149-300"][0][1], row
     assert 127 in gpu_file.GA_ROWS and 255 in gpu_file.GA_ROWS and (149, 300) in gpu_file.GA_CHUNKS
+    # The rule now: no call corrects these blocks for these rows, their own mask covering the whole block in each.
+    for row, block in [(127, 0), (255, 1)] + [(r, 1) for r in range(256, 277)]:
+        for s, e in [(0, gpu_file.GA_SEQLEN), (row, row + 1)] + list(gpu_file.GA_CHUNKS):
+            if s <= row < e:
+                lo, hi = _window(e - s, e, opts, block_n).key_limits(row - s, block)
+                assert lo <= 0 and hi >= block_n, (row, block, s, e, lo, hi)
 
 
 def test_ga_serving_batch_packs_the_dense_rows():

@@ -35,7 +35,8 @@ sgl-project/sglang#10645 (deterministic inference with chunked prefill needed th
 vllm-project/vllm#3204 (review: the same request's logits changed with continuous batching). Class AP checked batch
 mates with the sequence's own shape unchanged; FK checked chunked prefill by the rule only. Head dims 96, 128,
 192 (112-key blocks, with v 128) and 256 (64-key blocks), whose forward has one tile height (asserted through
-fwd_block_m); rows at every block edge (0, 1, 63, 64, 111, 112, 127, 128, 223, 224, 255, 256, 299 of 300).
+fwd_block_m); rows at every block edge (0, 1, 63, 64, 111, 112, 127, 128, 191, 192, 223, 224, 255, 256, 299 of
+300).
 test_prefill_rows_equal_decode_and_chunks_fixed_max_softcap runs the same with bf16 and softcap 20, the fixed-maximum
 softcap (softcap <= 30 in bf16), whose rounding correction (OnlineSoftmax::add_rounding) is applied on the key blocks
 the TILE's mask crosses: by the code, row 127 (and 255) of a prefill gets its diagonal block's correction and its
@@ -322,7 +323,7 @@ def test_forward_bits_do_not_depend_on_the_autograd_mode(api):
 # ------------------------------------------------ GA: prefill rows = decode calls = chunked prefill (bitwise)
 
 GA_SEQLEN = 300
-GA_ROWS = (0, 1, 63, 64, 111, 112, 127, 128, 223, 224, 255, 256, 299)  # every block edge of 64, 112 and 128 keys
+GA_ROWS = (0, 1, 63, 64, 111, 112, 127, 128, 191, 192, 223, 224, 255, 256, 299)  # every edge of 64-/112-/128-key blocks
 GA_CHUNKS = ((0, 149), (149, 300))
 GA_CONFIGS = {  # name -> (head_dim, head_dim_v, dtype, options)
     "d128-fp16-causal": (128, 128, FP16, dict(causal=True)),

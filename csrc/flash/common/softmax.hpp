@@ -22,6 +22,8 @@ struct ScoreScales {
 // Largest softcap that runs with a fixed maximum (OnlineSoftmax::step_fixed_max): P >= exp(-2 * 30) = 8.8e-27, and
 // P times any V element of magnitude 2^-39 or more stays a normal float32 in the P V accumulator.
 constexpr float kSoftcapFixedMaxLimit = 30.f;
+// add_rounding tells a masked key by its P being exactly 0: a visible key's P must stay a normal float32 (not flushed).
+static_assert(2.f * kSoftcapFixedMaxLimit * 1.4426950408889634f < 125.f, "a visible key's P would flush to zero");
 // Conditional rescaling: a row keeps its running maximum until the new one exceeds it by more than a factor 2^8 in P,
 // so unnormalised P stays <= 256 (bf16 and fp16 hold it; O's float32 accumulator grows by at most that factor) and
 // most key blocks skip the O rescale.
