@@ -26,7 +26,8 @@ if grep -q H200 "$OUT/smi_s65b.txt"; then
     > "$OUT/grid_fp16.log" 2>&1
   echo "grid fp16 rc $?"
 else
-  timeout ${GRID_S:-100} python3 -m flash_attn_hopper.benchmark --seqlens 4096,16384 --direction both --features dense --no-bar \
+  timeout ${GRID_S:-100} python3 -m flash_attn_hopper.benchmark --seqlens 4096,16384 --direction both \
+    --features dense --no-bar \
     --json "$OUT/grid_S65_h100.json" --summary "$OUT/grid_S65_h100_summary.md" > "$OUT/grid.log" 2>&1
   echo "grid rc $?"
 fi
