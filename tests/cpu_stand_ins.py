@@ -3,6 +3,7 @@ extension's op schemas and C++ autograd nodes, the stand-ins' arithmetic): the d
 the checked-call and document caches start empty, and the build query has run. The stand-ins themselves are below."""
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -129,6 +130,25 @@ def stand_ins(monkeypatch, needs="its op schemas and autograd node"):
     """ops_on_cpu with every op's stand-in above, CALLS emptied."""
     CALLS.clear()
     with ops_on_cpu(monkeypatch, STAND_INS, needs):
+        yield
+
+
+def _contiguous_outputs(fn):
+    def run(*args, **kwargs):
+        return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in fn(*args, **kwargs))
+    return run
+
+
+@contextlib.contextmanager
+def gpu_bodies_on_cpu(monkeypatch, gpu_file, needs):
+    """stand_ins for running a GPU test file's bodies on the CPU: its DEVICE set to "cpu", its poison and
+    require_built made no-ops (the CUDA caching allocator's; every head_dim here), the stand-ins' outputs contiguous
+    (as the kernels' are)."""
+    monkeypatch.setattr(gpu_file, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_file, "poison", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gpu_file, "require_built", lambda *args, **kwargs: None)
+    monkeypatch.setattr(sys.modules[__name__], "STAND_INS", {n: _contiguous_outputs(f) for n, f in STAND_INS.items()})
+    with stand_ins(monkeypatch, needs):
         yield
 
 

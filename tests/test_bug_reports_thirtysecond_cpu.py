@@ -165,19 +165,9 @@ def test_fy_downstream_check_is_the_chain_rule():
 
 # ------------------------------------------------ FY and FZ bodies through the stand-ins
 
-def _contiguous(fn):
-    def run(*args, **kwargs):
-        return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in fn(*args, **kwargs))
-    return run
-
-
 @pytest.fixture
 def cpu_ops(monkeypatch):
-    monkeypatch.setattr(gpu_file, "DEVICE", "cpu")
-    monkeypatch.setattr(gpu_file, "poison", lambda *args, **kwargs: None)  # (the CUDA caching allocator's)
-    monkeypatch.setattr(gpu_file, "require_built", lambda *args, **kwargs: None)  # every head_dim on the CPU
-    monkeypatch.setattr(cpu_stand_ins, "STAND_INS", {n: _contiguous(f) for n, f in cpu_stand_ins.STAND_INS.items()})
-    with cpu_stand_ins.stand_ins(monkeypatch, "round 32's test bodies"):
+    with cpu_stand_ins.gpu_bodies_on_cpu(monkeypatch, gpu_file, "round 32's test bodies"):
         yield
     torch._dynamo.reset()
 

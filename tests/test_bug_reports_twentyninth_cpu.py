@@ -19,19 +19,9 @@ import cpu_stand_ins
 import test_bug_reports_twentyninth_gpu as gpu_file
 
 
-def _contiguous(fn):
-    def run(*args, **kwargs):
-        return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in fn(*args, **kwargs))
-    return run
-
-
 @pytest.fixture
 def cpu_ops(monkeypatch):
-    monkeypatch.setattr(gpu_file, "DEVICE", "cpu")
-    monkeypatch.setattr(gpu_file, "poison", lambda *args, **kwargs: None)  # (the CUDA caching allocator's)
-    monkeypatch.setattr(gpu_file, "require_built", lambda *args, **kwargs: None)  # every head_dim on the CPU
-    monkeypatch.setattr(cpu_stand_ins, "STAND_INS", {n: _contiguous(f) for n, f in cpu_stand_ins.STAND_INS.items()})
-    with cpu_stand_ins.stand_ins(monkeypatch, "round 29's test bodies"):
+    with cpu_stand_ins.gpu_bodies_on_cpu(monkeypatch, gpu_file, "round 29's test bodies"):
         yield
 
 
