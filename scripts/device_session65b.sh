@@ -17,6 +17,7 @@ points() {
 }
 points HEAD 1; points GA 1; points GA 2; points HEAD 2
 use_pack GA
+[[ ${GRID_S:-1} == 0 ]] && exit 0  # no grid
 if [[ ${GRID_FULL:-1} == 1 ]] && grep -q H200 "$OUT/smi_s65b.txt"; then
   timeout ${GRID_S:-200} python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both \
     --features dense,gqa,varlen,window,softcap,deterministic --no-bar \
