@@ -3,17 +3,18 @@
 Focus: the two sums of the forward's softmax. The kernels round each row's unnormalised P = exp(S - m) to fp16 / bf16
 for the P V product, while the row sum l that O is divided by (and the LSE) is summed from the unrounded float32 P
 (csrc/flash/common/softmax.hpp: OnlineSoftmax::step and finalize; only the bf16 fixed-maximum softcap adds what the
-rounding changed, on key blocks the mask crosses). Where the values are equal along the keys, O = v * sum(rnd(P)) / l,
-not v: the weights the output uses do not sum to 1. On random scores the per-key rounding errors average out; on
-scores whose P lie just above (or below) a rounding midpoint they all point one way, and the output moves by up to
-2^-11 (fp16) or 2^-8 (bf16) of the values. Dao-AILab/flash-attention#2721 (FlashAttention's CuTe forward: "the
-denominator for our iterative softmax is sum(p_fp32) but the p@v numerator is casted to p_bf16 ... a negative bias in
-the forward (look at the v = 1 test)"; the PR keeps an fp32 sum for the LSE and a sum of the rounded P for the output),
-ROCm/FlyDSL#1020 ("Set V to all ones and the output must be exactly 1.0": the normaliser summed before P was cast to
-fp8 kept the keys the cast dropped), 1CatAI/1Cat-vLLM#210 (an fp16 round trip of P put the output above the fp16
-floor round_fp16(ref)). tests/bug_report_sources.md had left the class out twice: as "fp16 outputs at the dtype's
-maximum ... a test needs exact control of the kernels' exp2 rounding" (twenty-third round) and as a bias "DESIGN.md
-section 3's rule cannot see" (thirtieth round). The construction below gives that control, and the rule sees it.
+rounding changed, on key blocks the row's own mask cuts). Where the values are equal along the keys, O = v *
+sum(rnd(P)) / l, not v: the weights the output uses do not sum to 1. On random scores the per-key rounding errors
+average out; on scores whose P lie just above (or below) a rounding midpoint they all point one way, and the output
+moves by up to 2^-11 (fp16) or 2^-8 (bf16) of the values. Dao-AILab/flash-attention#2721 (FlashAttention's CuTe
+forward: "the denominator for our iterative softmax is sum(p_fp32) but the p@v numerator is casted to p_bf16 ... a
+negative bias in the forward (look at the v = 1 test)"; the PR keeps an fp32 sum for the LSE and a sum of the rounded
+P for the output), ROCm/FlyDSL#1020 ("Set V to all ones and the output must be exactly 1.0": the normaliser summed
+before P was cast to fp8 kept the keys the cast dropped), 1CatAI/1Cat-vLLM#210 (an fp16 round trip of P put the
+output above the fp16 floor round_fp16(ref)). tests/bug_report_sources.md had left the class out twice: as "fp16
+outputs at the dtype's maximum ... a test needs exact control of the kernels' exp2 rounding" (twenty-third round) and
+as a bias "DESIGN.md section 3's rule cannot see" (thirtieth round). The construction below gives that control, and
+the rule sees it.
 
 Construction (every case): softmax_scale 1, q's first column 1 (its others Gaussian), k zero but for its first
 column, so that every score is one product, exact; the scores are chosen so that the kernel's P of the keys that

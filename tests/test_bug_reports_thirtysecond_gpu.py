@@ -38,10 +38,11 @@ mates with the sequence's own shape unchanged; FK checked chunked prefill by the
 fwd_block_m); rows at every block edge (0, 1, 63, 64, 111, 112, 127, 128, 191, 192, 223, 224, 255, 256, 299 of
 300).
 test_prefill_rows_equal_decode_and_chunks_fixed_max_softcap runs the same with bf16 and softcap 20, the fixed-maximum
-softcap (softcap <= 30 in bf16), whose rounding correction (OnlineSoftmax::add_rounding) is applied on the key blocks
-the TILE's mask crosses: by the code, row 127 (and 255) of a prefill gets its diagonal block's correction and its
-decode twin, whose last block is whole, does not, and chunk [149, 300) puts rows 256-276 in a tile whose block 1 is
-crossed. EXPECTED TO FAIL on the current kernels (tests/bug_report_sources.md says why and what would fix it).
+softcap (softcap <= 30 in bf16), whose rounding correction (OnlineSoftmax::add_rounding) was applied, until session 65,
+on every row of a tile whose mask crosses the key block: row 127 (and 255) of a prefill got its diagonal block's
+correction and its decode twin, whose last block is whole, did not, and chunk [149, 300) put rows 256-276 in a tile
+whose block 1 is crossed (the helper's prediction from the code; tests/bug_report_sources.md). The correction is now
+added only for the rows whose own mask cuts the block (csrc/flash/common/softmax.hpp, 0061d2a).
 
 Inputs are Gaussian from fixed seeds (never zeros). Skipped, with the reason, without an sm90 GPU and the built
 extension (conftest.py), and per test when the build lacks a head_dim / dtype.
@@ -413,11 +414,11 @@ def test_prefill_rows_equal_decode_and_chunks(config):
 
 
 def test_prefill_rows_equal_decode_and_chunks_fixed_max_softcap():
-    """The same with bf16 and softcap 20, the fixed-maximum softcap. EXPECTED TO FAIL on the current kernels (not
-    marked; tests/bug_report_sources.md, "Thirty-second round"): OnlineSoftmax::add_rounding corrects the row sums on
-    the key blocks the tile's mask crosses, so row 127's diagonal block is corrected in the prefill (rows 0-126 of its
-    tile are masked there) and not in its decode call (a whole last block), and rows 256-276 get block 1's correction
-    in chunk [149, 300) and not in the one-shot prefill. DESIGN.md section 3's rule holds either way; class AP's
-    property (a row's bits depend only on its sequence) does not."""
+    """The same with bf16 and softcap 20, the fixed-maximum softcap (tests/bug_report_sources.md, "Thirty-second
+    round"). OnlineSoftmax::add_rounding corrected the row sums on the key blocks the tile's mask crosses, so row 127's
+    diagonal block was corrected in the prefill (rows 0-126 of its tile are masked there) and not in its decode call (a
+    whole last block), and rows 256-276 got block 1's correction in chunk [149, 300) and not in the one-shot prefill:
+    within DESIGN.md section 3's rule, but not class AP's property (a row's bits depend only on its sequence). Now a
+    row is corrected only where its own mask cuts the block."""
     head_dim, head_dim_v, dtype, opts = GA_FIXED_MAX
     _prefill_rows_equal_decode_and_chunks("d128-bf16-causal-softcap20", head_dim, head_dim_v, dtype, opts)

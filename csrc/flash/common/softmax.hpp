@@ -195,7 +195,8 @@ struct OnlineSoftmax {
   // cap, so exp(c * (x - 1)) in [exp(-2c), 1] needs no running maximum: no max reduction and no rescaling of O.
   // Valid while exp(-2c) stays far from float32's (and bf16's) smallest normal (kSoftcapFixedMaxLimit); an fp16 P
   // would underflow (its smallest normal is 6e-5), so only bf16 takes it. Call fix_max() once before the first step,
-  // add_rounding after the conversion of P on key blocks that the mask crosses, and finalize<true>.
+  // add_rounding after the conversion of P on key blocks that the mask crosses (it adds for the rows whose own mask
+  // cuts the block), and finalize<true>.
   CUTLASS_DEVICE void fix_max() {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { row_max[r] = 1.f; }
