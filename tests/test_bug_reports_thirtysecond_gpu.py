@@ -422,3 +422,53 @@ def test_prefill_rows_equal_decode_and_chunks_fixed_max_softcap():
     row is corrected only where its own mask cuts the block."""
     head_dim, head_dim_v, dtype, opts = GA_FIXED_MAX
     _prefill_rows_equal_decode_and_chunks("d128-bf16-causal-softcap20", head_dim, head_dim_v, dtype, opts)
+
+
+# GA in the forward's exact pass (session 65's review). Scores are 4 * q[0] (every key's first element is 4) plus a
+# spread of a few units from the other elements, so the top keys share a row's weight. kExactRowsLimitLog2 is 2^16.
+GA_EXACT_KEYS = 300
+GA_EXACT_ROWS = {  # name -> q[0]: scaled maximum M = 4 * q[0] * log2(e) roughly
+    "ordinary": None,  # Gaussian q, M of a few units
+    "band +": 6931.0,  # M ~ +40 000: between 2^15 and 2^16, the main kernel's result
+    "band -": -6931.0,  # M ~ -40 000
+    "limit +": 11703.0,  # M ~ +67 500: past 2^16, the exact pass's result
+    "limit -": -11703.0,  # M ~ -67 500
+}
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+def test_exact_pass_rows_equal_their_decode_calls(dtype):
+    """Rows whose scaled maximum is past 2^16 are recomputed by the forward's exact pass
+    (csrc/flash/fwd/exact_rows_sm90.hpp) and the others are not, whatever else the call holds. Until session 66 the
+    pass, once a row past 2^16 had set its flag, also recomputed every row with |LSE| * log2(e) >= 2^15: rows between
+    2^15 and 2^16 got the main kernel's bits in their decode call and the pass's bits in a call beside a larger row
+    (docs/conventions.md named it as an exception to GA's property; found by session 65's review of the docs). Each
+    row alone (seqlen_q 1) must give the bits it has in the call of all the rows (batch 1, head_dim 128, 300 keys,
+    softmax_scale 1), and that call must be right by the rule."""
+    require_built(128, dtype)
+    g = generator("ga-exact-pass")
+    k = gaussian((1, GA_EXACT_KEYS, 1, 128), g, dtype)
+    k[..., 0] = 4.0
+    v = gaussian((1, GA_EXACT_KEYS, 1, 128), g, dtype)
+    rows = []
+    for name, first in GA_EXACT_ROWS.items():
+        row = gaussian((128,), g, torch.float32, 0.3 if first is not None else 1.0)
+        if first is not None:
+            row[0] = first
+        rows.append(row.to(dtype))
+    q = torch.stack(rows).view(1, len(rows), 1, 128)
+    scaled_max = (q[0, :, 0].double() @ k[0, :, 0].double().T).amax(dim=1) * math.log2(math.e)
+    for name, m in zip(GA_EXACT_ROWS, scaled_max.tolist()):  # the premises
+        band = abs(m) >= 2 ** 16 if name.startswith("limit") else (2 ** 15 <= abs(m) < 64000 or name == "ordinary")
+        assert band, f"row {name!r}: scaled maximum {m:.0f} is outside the band the case needs"
+    poison(q, v)
+    out, lse = flash_attn_hopper.attention(q, k, v, softmax_scale=1.0, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, upcast=True, softmax_scale=1.0)
+    naive, naive_lse = attention_ref(q, k, v, upcast=False, softmax_scale=1.0)
+    assert_close_by_rule(out, ref, naive, "exact pass rows: out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, "exact pass rows: lse")
+    why = " (whether the exact pass recomputes a row must depend on that row alone)"
+    for i, name in enumerate(GA_EXACT_ROWS):
+        o, o_lse = flash_attn_hopper.attention(q[:, i:i + 1], k, v, softmax_scale=1.0, return_lse=True)
+        assert_same_bits(o, out[:, i:i + 1], f"row {name!r} alone: out", why)
+        assert_same_bits(o_lse, lse[:, :, i:i + 1], f"row {name!r} alone: lse", why)

@@ -38,6 +38,14 @@ constexpr float kRescaleThresholdLog2 = 8.f;
 // the kernel (flash/fwd/exact_rows_sm90.hpp): past ~2^31 P overflowed or vanished (NaN or zero rows; bf16 q = k = v =
 // 133120, PyTorch issue 121558) and fp16's P could not hold 2^r from ~2^27.
 constexpr float kExactRowsLimitLog2 = 65536.f;  // 2^16
+// The exact pass picks rows by their LSE (non-finite, or |LSE| * log2 e at kExactRowsSelectLog2 or more) and runs only
+// when the forward set its flag, from a row's |M| at kExactRowsFlagLog2 or more. A row's LSE lies within [M, M +
+// log2(keys)] (fewer than 2^31 keys) up to roundings far below the margins, so every finite row the pass picks has set
+// the flag itself: whether a row is redone depends on that row alone, not on the other rows of the call (before
+// session 66 the pass picked rows from 2^15 but ran only when some row reached 2^16). Every row at or past the limit
+// is picked, since |LSE| >= |M| - 31 there.
+constexpr float kExactRowsSelectLog2 = kExactRowsLimitLog2 - 64.f;
+constexpr float kExactRowsFlagLog2 = kExactRowsSelectLog2 - 64.f;
 
 // O's value before its store as Element: for fp16, finite values clamped to fp16's range (inf and NaN pass). O is a
 // convex combination of V's rows, so |O| <= 65504, but the forward's weights may sum to a little more than 1: P rounded
@@ -178,15 +186,15 @@ struct OnlineSoftmax {
     }
   }
 
-  // Whether a row of this thread has a finite scaled maximum of magnitude kExactRowsLimitLog2 or more (its P carry
-  // a rounding factor 2^r that may not cancel). Rows with no key (-inf) or a non-finite maximum (inf or NaN scores,
-  // which propagate as in the reference) are not.
+  // Whether a row of this thread has a finite scaled maximum of magnitude kExactRowsFlagLog2 or more (past
+  // kExactRowsLimitLog2 its P carry a rounding factor 2^r that may not cancel). Rows with no key (-inf) or a
+  // non-finite maximum (inf or NaN scores, which propagate as in the reference) are not.
   CUTLASS_DEVICE bool needs_exact_rows() const {
     bool any = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float const m = fabsf(row_max[r] * scale_log2);
-      any |= m >= kExactRowsLimitLog2 && m < INFINITY;
+      any |= m >= kExactRowsFlagLog2 && m < INFINITY;
     }
     return any;
   }

@@ -1,8 +1,8 @@
 // The forward's exact pass for rows whose scaled scores are too large for the main kernel's exponent (one FFMA
 // against a rounded maximum: flash/common/softmax.hpp, kExactRowsLimitLog2). Launched after every forward kernel as
 // a programmatic dependent launch; it returns at once unless the forward set its flag, so it costs a launch and a
-// load. When the flag is set, every row whose LSE is non-finite or of magnitude kExactRowsLimitLog2 / 2 or more (in
-// log2 units) is recomputed: one warp per row, Q, K and V from global memory, float32 dot products, each scaled score
+// load. When the flag is set, every row whose LSE is non-finite or of magnitude kExactRowsSelectLog2 or more (in
+// log2 units; softmax.hpp says why a row's own maximum then set the flag) is recomputed: one warp per row, Q, K and V from global memory, float32 dot products, each scaled score
 // rounded before the row's rounded maximum is subtracted (P = 1 at the maximum, never above), and O rescaled between
 // the same rounded maxima. Slow (no tensor cores), and meant only for inputs past that bound.
 #pragma once
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
     SeqlenInfo const info(f.cu_seqlens_q, f.cu_seqlens_k, f.seqlen_q, f.seqlen_k, batch_idx, f.total_q, f.total_k);
     if (i >= info.seqlen_q) { continue; }
     float* lse = f.lse_ptr + info.bidb * lse_batch_stride + bidh * lse_head_stride + info.offset_q + i;
-    if (fabsf(*lse) * float(M_LOG2E) < 0.5f * kExactRowsLimitLog2) { continue; }  // (NaN and +-inf go on)
+    if (fabsf(*lse) * float(M_LOG2E) < kExactRowsSelectLog2) { continue; }  // (NaN and +-inf go on)
     // Visible keys [lo, hi) (flash/common/mask.hpp's rule).
     int64_t const base = int64_t(i) + info.seqlen_k - info.seqlen_q;
     int64_t lo = cute::max(base - p.window_left, int64_t(0));
