@@ -64,7 +64,8 @@ kernels, kept as strict expected failures (KNOWN_FAULTS below). FW is fixed sinc
 to fp16's range in the fp16 epilogue (exact here: O is a convex combination of V's rows, so only the weights' excess
 takes a finite O past 65504) and must pass. What ran (session 64, an H100, the full GPU check): FW 20 of 20 passed,
 FX's 18 marked cases failed as marked and its 4 controls passed. The exact-pass case at the end of the file was added
-after that run, with the same clamp in csrc/flash/fwd/exact_rows_sm90.hpp, and has not yet run on a GPU.
+after that run, with the same clamp in csrc/flash/fwd/exact_rows_sm90.hpp; it passed in session 66 (an H100), as did
+the rest of the file (FX's 18 again failing as marked).
 
 Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py), and per test where the build
 lacks the head_dim / dtype."""
@@ -354,8 +355,8 @@ EXACT_PASS_SEQLEN_K = 32768
 def test_fp16_output_at_the_top_of_the_range_in_the_exact_pass():
     """Every key's score is 65536 (q = k = 32, head_dim 64, softmax_scale 1), so the rows go to the exact pass and
     every P is 1; v is +-65504 along each column (alternating signs by column): the exact output is v's row, exactly,
-    and the LSE 65536 + log(32768). fp16 must return +-65504, not inf. Not yet run on a GPU when written (session 64,
-    with the clamp it checks)."""
+    and the LSE 65536 + log(32768). fp16 must return +-65504, not inf. Written with the clamp it checks (session 64); passed in session 66 (an
+    H100)."""
     require_built(64, FP16)
     q = torch.full((1, 3, 1, 64), EXACT_PASS_VALUE, device=DEVICE, dtype=FP16)
     k = torch.full((1, EXACT_PASS_SEQLEN_K, 1, 64), EXACT_PASS_VALUE, device=DEVICE, dtype=FP16)

@@ -43,6 +43,12 @@ on every row of a tile whose mask crosses the key block: row 127 (and 255) of a 
 correction and its decode twin, whose last block is whole, did not, and chunk [149, 300) put rows 256-276 in a tile
 whose block 1 is crossed (the helper's prediction from the code; tests/bug_report_sources.md). The correction is now
 added only for the rows whose own mask cuts the block (csrc/flash/common/softmax.hpp, 0061d2a).
+test_exact_pass_rows_equal_their_decode_calls: the same property for rows whose scores are large enough for the
+forward's exact pass (csrc/flash/fwd/exact_rows_sm90.hpp), which recomputed rows between 2^15 and 2^16 (log2 units)
+only when another row of the call passed 2^16 (session 65's review; per row since session 66, 73e371d).
+What ran (session 66, an H100; benchmarks/results/2026-12-07_session66/): on 0061d2a's kernels the first 11 passed and
+the exact-pass cases failed (row 'band +' alone: 125 / 102 elements of out differ); on 73e371d's kernels all 13
+passed; the fixed-maximum case also failed, as predicted, on the kernels before 0061d2a.
 
 Inputs are Gaussian from fixed seeds (never zeros). Skipped, with the reason, without an sm90 GPU and the built
 extension (conftest.py), and per test when the build lacks a head_dim / dtype.

@@ -39,11 +39,12 @@ constexpr float kRescaleThresholdLog2 = 8.f;
 // 133120, PyTorch issue 121558) and fp16's P could not hold 2^r from ~2^27.
 constexpr float kExactRowsLimitLog2 = 65536.f;  // 2^16
 // The exact pass picks rows by their LSE (non-finite, or |LSE| * log2 e at kExactRowsSelectLog2 or more) and runs only
-// when the forward set its flag, from a row's |M| at kExactRowsFlagLog2 or more. A row's LSE lies within [M, M +
-// log2(keys)] (fewer than 2^31 keys) up to roundings far below the margins, so every finite row the pass picks has set
-// the flag itself: whether a row is redone depends on that row alone, not on the other rows of the call (before
-// session 66 the pass picked rows from 2^15 but ran only when some row reached 2^16). Every row at or past the limit
-// is picked, since |LSE| >= |M| - 31 there.
+// when the forward set its flag, from a row's |M| at kExactRowsFlagLog2 or more. A row's LSE lies within [m, m +
+// log2(keys)] for its true maximum m (fewer than 2^31 keys), and the kept M within [m - kRescaleThresholdLog2, m], up
+// to roundings far below the margins (31 + 8 < 64), so every finite row the pass picks has set the flag itself:
+// whether a row is redone depends on that row alone, not on the other rows of the call (before session 66 the pass
+// picked rows from 2^15 but ran only when some row reached 2^16). Every row at or past the limit is picked, since
+// |LSE| >= |m| - 31 there.
 constexpr float kExactRowsSelectLog2 = kExactRowsLimitLog2 - 64.f;
 constexpr float kExactRowsFlagLog2 = kExactRowsSelectLog2 - 64.f;
 
