@@ -58,6 +58,9 @@ and FZ's bodies through the library's Python layer with tests/cpu_stand_ins.py's
 built."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -478,3 +481,64 @@ def test_exact_pass_rows_equal_their_decode_calls(dtype):
         o, o_lse = flash_attn_hopper.attention(q[:, i:i + 1], k, v, softmax_scale=1.0, return_lse=True)
         assert_same_bits(o, out[:, i:i + 1], f"row {name!r} alone: out", why)
         assert_same_bits(o_lse, lse[:, :, i:i + 1], f"row {name!r} alone: lse", why)
+
+
+# GA across head_dim 64's two tile heights (csrc/flash/fwd/tile_choice.hpp picks 192 or 128 rows per problem, so a
+# prefill and its decode calls may run different ones). Each height is forced in a child process (FAH_FWD_BLOCK_M is
+# read once per process) that writes the forward's out and LSE of every case; the parent compares the bits.
+GA_TILES_CASES = {  # name -> (dtype, seqlen_q, seqlen_k, options)
+    "bf16-causal": ("bfloat16", 300, 300, {"causal": True}),
+    "fp16-full": ("float16", 257, 700, {}),
+    "bf16-window": ("bfloat16", 300, 300, {"window_size": (50, 10)}),
+    "bf16-causal-softcap20": ("bfloat16", 300, 300, {"causal": True, "softcap": 20.0}),
+    "fp16-softcap50": ("float16", 300, 300, {"softcap": 50.0}),
+}
+# The children import the package this process tests (installed, or the built source tree) ahead of anything else.
+_GA_TILES_PRELUDE = (f"import sys; sys.path.insert(0, "
+                     f"{os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))!r})\n")
+_GA_TILES_CHILD = """
+import sys, zlib, torch, flash_attn_hopper
+block_m, path, cases = int(sys.argv[1]), sys.argv[2], eval(sys.argv[3])
+result = {}
+for name, (dtype, seqlen_q, seqlen_k, opts) in cases.items():
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    dtype = getattr(torch, dtype)
+    q, k, v = (torch.randn(2, n, h, 64, generator=g).to("cuda", dtype) for n, h in
+               ((seqlen_q, 4), (seqlen_k, 2), (seqlen_k, 2)))
+    left, right = opts.get("window_size", (-1, 0 if opts.get("causal") else -1))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ran = torch.ops.flash_attn_hopper.fwd_block_m(64, 64, 2, 4, seqlen_q, seqlen_k, opts.get("causal", False), left,
+                                                  right, sms)
+    assert ran == block_m, (name, ran, block_m)
+    out, lse = flash_attn_hopper.attention(q, k, v, return_lse=True, **opts)
+    result[name] = (out.cpu(), lse.cpu())
+torch.save(result, path)
+"""
+
+
+def test_head_dim_64_tile_heights_give_the_same_bits(tmp_path):
+    """Head_dim 64's 192-row tiles (three consumer warpgroups taking turns, interior key blocks in a loop of their own)
+    and 128-row tiles (two warpgroups, no turns, the next tile's first QKᵀ issued early) must give every row the same
+    out and LSE bits (causal, full, window, both softcap paths; fp16 and bf16; batch 2, GQA 4/2), so that a prefill and
+    its decode calls agree whichever height each picks. The 128-row run is also checked by the rule."""
+    require_built(64, BF16)
+    require_built(64, FP16)
+    runs = {}
+    for block_m in (128, 192):
+        path = tmp_path / f"tiles{block_m}.pt"
+        env = dict(os.environ, FAH_FWD_BLOCK_M=str(block_m))
+        r = subprocess.run([sys.executable, "-c", _GA_TILES_PRELUDE + _GA_TILES_CHILD, str(block_m), str(path),
+                            repr(GA_TILES_CASES)], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        runs[block_m] = torch.load(path)
+    why = " (a row's bits must not depend on the tile height the launcher picks)"
+    for name, (dtype, seqlen_q, seqlen_k, opts) in GA_TILES_CASES.items():
+        (o128, l128), (o192, l192) = runs[128][name], runs[192][name]
+        assert_same_bits(o192, o128, f"{name}: out, 192 against 128 rows", why)
+        assert_same_bits(l192, l128, f"{name}: lse, 192 against 128 rows", why)
+    g = gpu_helpers.seeded_generator("bf16-causal")  # the child's inputs of the first case, for the rule
+    q, k, v = (torch.randn(2, n, h, 64, generator=g).to(DEVICE, BF16) for n, h in ((300, 4), (300, 2), (300, 2)))
+    ref, ref_lse = attention_ref(q, k, v, upcast=True, causal=True)
+    naive, naive_lse = attention_ref(q, k, v, upcast=False, causal=True)
+    assert_close_by_rule(runs[128]["bf16-causal"][0].to(DEVICE), ref, naive, "bf16-causal 128 rows: out")
+    assert_close_by_rule(runs[128]["bf16-causal"][1].to(DEVICE), ref_lse, naive_lse, "bf16-causal 128 rows: lse")
