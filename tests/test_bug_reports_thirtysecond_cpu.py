@@ -184,3 +184,31 @@ def test_fz_bodies(cpu_ops, api):
     # every mode but deterministic=True / the global mode handed the forward op deterministic=False
     flags = [deterministic for op, deterministic, *_ in cpu_stand_ins.CALLS if op.startswith("fwd")]
     assert flags == [False, False, False, False, True, True, False], flags
+
+
+# ------------------------------------------------ GA in the exact pass: the thresholds' margins
+
+def _softmax_constants():
+    """The float constants of csrc/flash/common/softmax.hpp (name -> value), their expressions evaluated in order."""
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc/flash/common/softmax.hpp")
+    values = {}
+    for name, expr in re.findall(r"constexpr float (k\w+) = ([^;]+);", open(path).read()):
+        values[name] = eval(re.sub(r"(\d\.?)f\b", r"\1", expr), {}, dict(values))  # (64.f -> 64.)
+    return values
+
+
+def test_exact_pass_thresholds_keep_their_margins():
+    """The exact pass picks rows by |LSE| * log2(e) >= kExactRowsSelectLog2 and runs only when a row's kept maximum
+    reached kExactRowsFlagLog2 (csrc/flash/common/softmax.hpp). A row's LSE lies in [m, m + log2(keys)] for its true
+    maximum m (keys < 2^31: 31) and the kept maximum in [m - kRescaleThresholdLog2, m]; so every row the pass picks
+    sets the flag itself when Select - Flag > 31 + kRescaleThresholdLog2, and every row past kExactRowsLimitLog2 is
+    picked when Limit - Select > 31 (a negative m: |LSE| >= |m| - 31). Each with a unit to spare for roundings."""
+    c = _softmax_constants()
+    limit, select, flag = c["kExactRowsLimitLog2"], c["kExactRowsSelectLog2"], c["kExactRowsFlagLog2"]
+    assert limit == 2.0 ** 16, limit
+    assert select - flag >= 31 + c["kRescaleThresholdLog2"] + 1, (select, flag)
+    assert limit - select >= 31 + 1, (limit, select)
+    assert flag > 2.0 ** 15, "the flag would fire for rows the main kernel computes well enough"

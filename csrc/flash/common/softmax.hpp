@@ -34,8 +34,8 @@ constexpr float kRescaleThresholdLog2 = 8.f;
 // rescale exp2((m_old - m_new) * scale_log2) is within an ulp of |M| of the factor between the two blocks' P (taking it
 // exactly from the rounded maxima read 1-2 % slower at head_dim 64, H200 session 40; the error is comparable to the
 // float32 reference's own rounding of scores that large).
-// Rows whose |M| reaches this limit (below it |r| < 2^-8) are flagged at the tile's end and recomputed exactly after
-// the kernel (flash/fwd/exact_rows_sm90.hpp): past ~2^31 P overflowed or vanished (NaN or zero rows; bf16 q = k = v =
+// Rows whose |M| reaches this limit (below it |r| < 2^-8) are flagged at the tile's end (from kExactRowsFlagLog2,
+// below) and recomputed exactly after the kernel (flash/fwd/exact_rows_sm90.hpp): past ~2^31 P overflowed or vanished (NaN or zero rows; bf16 q = k = v =
 // 133120, PyTorch issue 121558) and fp16's P could not hold 2^r from ~2^27.
 constexpr float kExactRowsLimitLog2 = 65536.f;  // 2^16
 // The exact pass picks rows by their LSE (non-finite, or |LSE| * log2 e at kExactRowsSelectLog2 or more) and runs only
@@ -75,8 +75,9 @@ inline ScoreScales score_scales(float softmax_scale, float softcap) {
 // scale_log2 = score_scale * log2(e) > 0 so that exp(scale * (s - m)) = exp2(s * scale_log2 - m * scale_log2),
 // one FFMA per element. (m stays raw: kept as the rounded scaled value instead, the forward read 1-3 % slower at
 // head_dim 64 on the H200 with no more instructions per block; session 40.)
-// kChains: independent dependency chains per row for the max and sum reductions (FwdKernelTraits::kSoftmaxChains).
-template <int kRows, int kChains = 1>
+// kChains / kSumChains: independent dependency chains per row for the max and the sum reductions
+// (FwdKernelTraits::kSoftmaxChains / kSoftmaxSumChains).
+template <int kRows, int kChains = 1, int kSumChains = kChains>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
@@ -92,7 +93,7 @@ struct OnlineSoftmax {
 
   // A thread's part of each row's maximum, in kChains independent chains per row: with one, the compiler keeps a
   // chain of dependent FMNMX 32 deep per row at kBlockN 128. max is exact in any order, so the result is the same.
-  static_assert(kChains == 1 || kChains == 4);
+  static_assert((kChains == 1 || kChains == 4) && (kSumChains == 1 || kSumChains == 4));
   template <class TensorRC>
   CUTLASS_DEVICE static void row_maxima(TensorRC const& s, float (&out)[kRows]) {
     constexpr int kCols = decltype(size<1>(s))::value;
@@ -114,27 +115,27 @@ struct OnlineSoftmax {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { out[r] = combine(part[r], [](float a, float b) { return fmaxf(a, b); }); }
   }
-  template <class Op>
-  CUTLASS_DEVICE static float combine(float const (&part)[kChains], Op op) {
-    if constexpr (kChains == 4) {
+  template <int kN, class Op>
+  CUTLASS_DEVICE static float combine(float const (&part)[kN], Op op) {
+    if constexpr (kN == 4) {
       return op(op(part[0], part[1]), op(part[2], part[3]));
     } else {
       return part[0];
     }
   }
-  // Row r's sum over this thread's columns in kChains independent chains (other chain counts change the float32
-  // sum's rounding only).
+  // Row r's sum over this thread's columns in kSumChains independent chains. The chain count sets the float32 sum's
+  // rounding, so kernels whose rows must agree bit for bit (head_dim 64's two tile heights) share it.
   template <class TensorRC>
   CUTLASS_DEVICE static float row_total(TensorRC const& s, int r) {
     constexpr int kCols = decltype(size<1>(s))::value;
-    static_assert(kCols % kChains == 0);
-    float part[kChains];
+    static_assert(kCols % kSumChains == 0);
+    float part[kSumChains];
     CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kChains; ++c) { part[c] = s(r, c); }
+    for (int c = 0; c < kSumChains; ++c) { part[c] = s(r, c); }
     CUTLASS_PRAGMA_UNROLL
-    for (int j = kChains; j < kCols; j += kChains) {
+    for (int j = kSumChains; j < kCols; j += kSumChains) {
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kChains; ++c) { part[c] += s(r, j + c); }
+      for (int c = 0; c < kSumChains; ++c) { part[c] += s(r, j + c); }
     }
     return combine(part, [](float a, float b) { return a + b; });
   }
@@ -187,15 +188,16 @@ struct OnlineSoftmax {
     }
   }
 
-  // Whether a row of this thread has a finite scaled maximum of magnitude kExactRowsFlagLog2 or more (past
-  // kExactRowsLimitLog2 its P carry a rounding factor 2^r that may not cancel). Rows with no key (-inf) or a
-  // non-finite maximum (inf or NaN scores, which propagate as in the reference) are not.
+  // Whether a row of this thread has a finite maximum whose scaled magnitude is kExactRowsFlagLog2 or more (past
+  // kExactRowsLimitLog2 its P carry a rounding factor 2^r that may not cancel), infinite scaled values included: a
+  // finite score whose scaled value (log2 units) overflows leaves every P of the row 0 here (out 0, LSE -inf, silently
+  // wrong); the pass's scaled scores overflow too and it returns NaN, wrong but visible (scores past ~2.4e38). Rows with no key (-inf) or a non-finite maximum (inf or NaN scores, which propagate as in
+  // the reference) are not flagged.
   CUTLASS_DEVICE bool needs_exact_rows() const {
     bool any = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float const m = fabsf(row_max[r] * scale_log2);
-      any |= m >= kExactRowsFlagLog2 && m < INFINITY;
+      any |= fabsf(row_max[r]) < INFINITY && fabsf(row_max[r] * scale_log2) >= kExactRowsFlagLog2;
     }
     return any;
   }

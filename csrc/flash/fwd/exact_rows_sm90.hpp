@@ -2,9 +2,10 @@
 // against a rounded maximum: flash/common/softmax.hpp, kExactRowsLimitLog2). Launched after every forward kernel as
 // a programmatic dependent launch; it returns at once unless the forward set its flag, so it costs a launch and a
 // load. When the flag is set, every row whose LSE is non-finite or of magnitude kExactRowsSelectLog2 or more (in
-// log2 units; softmax.hpp says why a row's own maximum then set the flag) is recomputed: one warp per row, Q, K and V from global memory, float32 dot products, each scaled score
-// rounded before the row's rounded maximum is subtracted (P = 1 at the maximum, never above), and O rescaled between
-// the same rounded maxima. Slow (no tensor cores), and meant only for inputs past that bound.
+// log2 units; softmax.hpp says why such a row's own maximum set the flag) is recomputed: one warp per row, Q, K and V
+// from global memory, float32 dot products, each scaled score rounded before the row's rounded maximum is subtracted
+// (P = 1 at the maximum, never above), and O rescaled between the same rounded maxima. Slow (no tensor cores), and
+// meant only for inputs past that bound.
 #pragma once
 
 #include <algorithm>
