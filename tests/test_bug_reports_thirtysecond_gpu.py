@@ -46,9 +46,12 @@ added only for the rows whose own mask cuts the block (csrc/flash/common/softmax
 test_exact_pass_rows_equal_their_decode_calls: the same property for rows whose scores are large enough for the
 forward's exact pass (csrc/flash/fwd/exact_rows_sm90.hpp), which recomputed rows between 2^15 and 2^16 (log2 units)
 only when another row of the call passed 2^16 (session 65's review; per row since session 66, 73e371d).
+test_head_dim_64_tile_heights_give_the_same_bits: head_dim 64's two tile heights, each forced in a child process.
 What ran (session 66, an H100; benchmarks/results/2026-12-07_session66/): on 0061d2a's kernels the first 11 passed and
 the exact-pass cases failed (row 'band +' alone: 125 / 102 elements of out differ); on 73e371d's kernels all 13
-passed; the fixed-maximum case also failed, as predicted, on the kernels before 0061d2a.
+passed; the fixed-maximum case also failed, as predicted, on the kernels before 0061d2a; the tile-height case passed
+on the two builds that sum a row in the same order on both heights (it was written after the 0061d2a / 73e371d runs;
+a reviewer read from the code that it fails on them).
 
 Inputs are Gaussian from fixed seeds (never zeros). Skipped, with the reason, without an sm90 GPU and the built
 extension (conftest.py), and per test when the build lacks a head_dim / dtype.
@@ -520,7 +523,11 @@ def test_head_dim_64_tile_heights_give_the_same_bits(tmp_path):
     """Head_dim 64's 192-row tiles (three consumer warpgroups taking turns, interior key blocks in a loop of their own)
     and 128-row tiles (two warpgroups, no turns, the next tile's first QKᵀ issued early) must give every row the same
     out and LSE bits (causal, full, window, both softcap paths; fp16 and bf16; batch 2, GQA 4/2), so that a prefill and
-    its decode calls agree whichever height each picks. The 128-row run is also checked by the rule."""
+    its decode calls agree whichever height each picks. The 128-row run is also checked by the rule. Until session 66
+    the 192-row tiles summed a thread's part of a row in four chains and the 128-row tiles in one
+    (FwdKernelTraits::kSoftmaxSumChains), so l, the LSE and out differed in the last bits (session 65's review). What
+    ran (session 66, an H100): passed with either chain count on both heights (four: packs SC, which cost the 128-row
+    tiles 3-7 %; one: W1, level, kept)."""
     require_built(64, BF16)
     require_built(64, FP16)
     runs = {}
