@@ -355,8 +355,8 @@ EXACT_PASS_SEQLEN_K = 32768
 def test_fp16_output_at_the_top_of_the_range_in_the_exact_pass():
     """Every key's score is 65536 (q = k = 32, head_dim 64, softmax_scale 1), so the rows go to the exact pass and
     every P is 1; v is +-65504 along each column (alternating signs by column): the exact output is v's row, exactly,
-    and the LSE 65536 + log(32768). fp16 must return +-65504, not inf. Written with the clamp it checks (session 64); passed in session 66 (an
-    H100)."""
+    and the LSE 65536 + log(32768). fp16 must return +-65504, not inf. Written with the clamp it checks (session 64);
+    passed in session 66 (an H100)."""
     require_built(64, FP16)
     q = torch.full((1, 3, 1, 64), EXACT_PASS_VALUE, device=DEVICE, dtype=FP16)
     k = torch.full((1, EXACT_PASS_SEQLEN_K, 1, 64), EXACT_PASS_VALUE, device=DEVICE, dtype=FP16)

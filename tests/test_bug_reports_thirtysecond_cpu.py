@@ -16,7 +16,13 @@
   step and the direct-op Functions give the eager / library bits, and that every autograd mode hands the ops the same
   arguments. These skip, with the reason, where the extension is not built (its op schemas and autograd node are
   needed). GA's bodies are not run on the stand-ins: a float32 reference computed per call shape has no reason to be
-  bitwise invariant, the kernels' per-row arithmetic is the GPU file's business."""
+  bitwise invariant, the kernels' per-row arithmetic is the GPU file's business.
+- GA in the exact pass (session 66): the margins between csrc/flash/common/softmax.hpp's thresholds (the pass's pick by
+  LSE, the kernel's flag by the kept maximum) that make a row's recomputation depend on that row alone, and that each
+  threshold is the one used where it belongs."""
+
+import os
+import re
 
 import pytest
 import torch
@@ -190,9 +196,6 @@ def test_fz_bodies(cpu_ops, api):
 
 def _softmax_constants():
     """The float constants of csrc/flash/common/softmax.hpp (name -> value), their expressions evaluated in order."""
-    import os
-    import re
-
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc/flash/common/softmax.hpp")
     values = {}
     for name, expr in re.findall(r"constexpr float (k\w+) = ([^;]+);", open(path).read()):
@@ -212,3 +215,10 @@ def test_exact_pass_thresholds_keep_their_margins():
     assert select - flag >= 31 + c["kRescaleThresholdLog2"] + 1, (select, flag)
     assert limit - select >= 31 + 1, (limit, select)
     assert flag > 2.0 ** 15, "the flag would fire for rows the main kernel computes well enough"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    softmax = open(os.path.join(root, "csrc/flash/common/softmax.hpp")).read()
+    exact_rows = open(os.path.join(root, "csrc/flash/fwd/exact_rows_sm90.hpp")).read()
+    needs = softmax[softmax.index("bool needs_exact_rows()"):]
+    needs = needs[:needs.index("\n  }\n")]
+    assert ">= kExactRowsFlagLog2" in needs and "kExactRowsSelectLog2" not in needs, needs
+    assert "* float(M_LOG2E) < kExactRowsSelectLog2)" in exact_rows and "kExactRowsFlagLog2" not in exact_rows

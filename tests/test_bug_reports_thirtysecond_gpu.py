@@ -450,8 +450,9 @@ GA_EXACT_ROWS = {  # name -> q[0]: scaled maximum M = 4 * q[0] * log2(e) roughly
 
 @pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
 def test_exact_pass_rows_equal_their_decode_calls(dtype):
-    """Rows whose scaled maximum is past 2^16 are recomputed by the forward's exact pass
-    (csrc/flash/fwd/exact_rows_sm90.hpp) and the others are not, whatever else the call holds. Until session 66 the
+    """Rows whose scaled maximum is past 2^16 (and rows just below whose |LSE| * log2(e) reaches 2^16 - 64) are
+    recomputed by the forward's exact pass (csrc/flash/fwd/exact_rows_sm90.hpp) and the others are not, whatever else
+    the call holds. Until session 66 the
     pass, once a row past 2^16 had set its flag, also recomputed every row with |LSE| * log2(e) >= 2^15: rows between
     2^15 and 2^16 got the main kernel's bits in their decode call and the pass's bits in a call beside a larger row
     (docs/conventions.md named it as an exception to GA's property; found by session 65's review of the docs). Each

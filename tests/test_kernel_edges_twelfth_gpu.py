@@ -142,14 +142,14 @@ def test_exact_pass_over_rows_and_sequences_without_keys(head_dim_v, api):
     """DB. PyTorch issue 121558 and FlashMLA PR 68 (huge scaled logits: NaN or zero rows; class AL) combined with
     FlashAttention issues 1778 and 2562 and xformers PR 1042 (rows that see no key, empty query and key sequences:
     NaN or out-of-bounds writes). The full rows' scaled logits at 2^26 set the forward's exact-rows flag, so its exact
-    pass (csrc/flash/fwd/exact_rows_sm90.hpp) recomputes every row whose LSE is non-finite or past 2^16 - 64 (2^15 before session 66): here also the
-    rows that see no key, whose output must stay exactly 0 and LSE -inf. varlen: sequences (queries, keys) (0, 9),
-    (5, 0), (300, 100), (77, 700), (0, 50), (130, 130), causal, GQA 4 on 2 (the pass reads K/V head h // 2, LSE
-    (nheads, total_q) at the sequence's row offset); dense: 2 x 300 queries against 100 keys, causal (rows 0-199 see
-    no key). head_dim 64 with head_dim_v 64 or 128 (the pass's dot product over head_dim, its V rows over head_dim_v).
-    out by the rule (float32 reference at this scale, the naive reference at the default scale, the same exact
-    answer, as the yardstick), LSE within the rule's floor, rows that see no key out 0 and LSE -inf (the rule's
-    infinities must match), from NaN-poisoned memory."""
+    pass (csrc/flash/fwd/exact_rows_sm90.hpp) recomputes every row whose LSE is non-finite or past 2^16 - 64 (2^15
+    before session 66): here also the rows that see no key, whose output must stay exactly 0 and LSE -inf. varlen:
+    sequences (queries, keys) (0, 9), (5, 0), (300, 100), (77, 700), (0, 50), (130, 130), causal, GQA 4 on 2 (the pass
+    reads K/V head h // 2, LSE (nheads, total_q) at the sequence's row offset); dense: 2 x 300 queries against 100 keys,
+    causal (rows 0-199 see no key). head_dim 64 with head_dim_v 64 or 128 (the pass's dot product over head_dim, its V
+    rows over head_dim_v). out by the rule (float32 reference at this scale, the naive reference at the default scale,
+    the same exact answer, as the yardstick), LSE within the rule's floor, rows that see no key out 0 and LSE -inf (the
+    rule's infinities must match), from NaN-poisoned memory."""
     head_dim, nheads, nheads_k = 64, 4, 2
     dtype = built_dtype(max(head_dim, head_dim_v))
     gen = torch.Generator().manual_seed(12 + head_dim_v)

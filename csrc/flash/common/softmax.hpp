@@ -35,8 +35,9 @@ constexpr float kRescaleThresholdLog2 = 8.f;
 // exactly from the rounded maxima read 1-2 % slower at head_dim 64, H200 session 40; the error is comparable to the
 // float32 reference's own rounding of scores that large).
 // Rows whose |M| reaches this limit (below it |r| < 2^-8) are flagged at the tile's end (from kExactRowsFlagLog2,
-// below) and recomputed exactly after the kernel (flash/fwd/exact_rows_sm90.hpp): past ~2^31 P overflowed or vanished (NaN or zero rows; bf16 q = k = v =
-// 133120, PyTorch issue 121558) and fp16's P could not hold 2^r from ~2^27.
+// below) and recomputed exactly after the kernel (flash/fwd/exact_rows_sm90.hpp): past ~2^31 P overflowed or
+// vanished (NaN or zero rows; bf16 q = k = v = 133120, PyTorch issue 121558) and fp16's P could not hold 2^r from
+// ~2^27.
 constexpr float kExactRowsLimitLog2 = 65536.f;  // 2^16
 // The exact pass picks rows by their LSE (non-finite, or |LSE| * log2 e at kExactRowsSelectLog2 or more) and runs only
 // when the forward set its flag, from a row's |M| at kExactRowsFlagLog2 or more. A row's LSE lies within [m, m +
@@ -191,8 +192,9 @@ struct OnlineSoftmax {
   // Whether a row of this thread has a finite maximum whose scaled magnitude is kExactRowsFlagLog2 or more (past
   // kExactRowsLimitLog2 its P carry a rounding factor 2^r that may not cancel), infinite scaled values included: a
   // finite score whose scaled value (log2 units) overflows leaves every P of the row 0 here (out 0, LSE -inf, silently
-  // wrong); the pass's scaled scores overflow too and it returns NaN, wrong but visible (scores past ~2.4e38). Rows with no key (-inf) or a non-finite maximum (inf or NaN scores, which propagate as in
-  // the reference) are not flagged.
+  // wrong); the pass's scaled scores overflow too and it returns NaN, wrong but visible (scores past ~2.4e38). Rows
+  // with no key (-inf) or a non-finite maximum (inf or NaN scores, which propagate as in the reference) are not
+  // flagged.
   CUTLASS_DEVICE bool needs_exact_rows() const {
     bool any = false;
     CUTLASS_PRAGMA_UNROLL

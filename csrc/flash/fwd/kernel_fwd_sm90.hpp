@@ -52,20 +52,20 @@ struct FwdKernelTraits {
   // 1024 +1 %, 4096 -1.5 %, 16384 +1-6 %. Rebuilt at head_dim 64 (four of them) -2.2 to -3.8 % at 1024/4096, +0.8 %
   // at 16384; at head_dim 128 (eight) -2.3 to +0.1 %: so kept live there.
   static constexpr bool kQDescriptorsPerBlock = kHeadDim_ > 128;
-  // kSplitMaskLoop: the key blocks the mask crosses and the interior ones run separate copies of the main loop's
-  // body, the interior one with no mask code (fwd_consumer); kSoftmaxChains: independent chains per row in the
-  // softmax's max and sum (OnlineSoftmax). ptxas, head_dim 64 on 192-row tiles: spills 164/220 B -> 8/28 B (softcap
-  // 300/316 -> 8/28, 284/232 -> 4/4) with none left in the interior loop, 434 instructions per key block there against
-  // 697 for the joint loop (mask path included); head_dim 128: 509 against 762. H200, 2026-12-02 (session 23, bf16
-  // TFLOP/s, rounds of one call each; benchmarks/NOTES.md): head_dim 64 192-row tiles, neither / both, non-causal 4096
-  // 468-471 / 500-501, 16384 491 / 520, causal 16384 461-472 / 482-490 (call 2); head_dim 128, both / chains only,
-  // non-causal 4096 630-641 / 626-632, 16384 646-653 / 626-646, causal 16384 622-641 / 614-627, softcap causal 4096
-  // 448-461 / 424-444, the rest level (call 3); both against neither at head_dim 128 non-causal 16384 666-672 /
-  // 649-658, 1024 620-621 / 624-626 (call 2). Not kept where they lost or gained nothing: head_dim 64's 128-row tiles
-  // (non-causal 1024 426 neither, 414 split, 398-402 both; causal 1024 318 / 310 / 301; call 1), head_dim 192 and
-  // 256 (within -3 to +1 %, call 2). head_dim 96 (head_dim 128's shape) takes both, unmeasured. The split left head_dim
-  // 128's fixed-maximum softcap kernel spilling 12/32 B in the masked blocks' copy of the loop, until session 31's
-  // one-sided mask (flash/common/mask.hpp) removed it.
+  // kSplitMaskLoop: the key blocks the mask crosses and the interior ones run separate copies of the main loop's body,
+  // the interior one with no mask code (fwd_consumer); kSoftmaxChains: independent chains per row in the softmax's max
+  // and (but at head_dim 64, kSoftmaxSumChains below) its sum (OnlineSoftmax). ptxas, head_dim 64 on 192-row tiles:
+  // spills 164/220 B -> 8/28 B (softcap 300/316 -> 8/28, 284/232 -> 4/4) with none left in the interior loop, 434
+  // instructions per key block there against 697 for the joint loop (mask path included); head_dim 128: 509 against
+  // 762. H200, 2026-12-02 (session 23, bf16 TFLOP/s, rounds of one call each; benchmarks/NOTES.md): head_dim 64 192-row
+  // tiles, neither / both, non-causal 4096 468-471 / 500-501, 16384 491 / 520, causal 16384 461-472 / 482-490 (call 2);
+  // head_dim 128, both / chains only, non-causal 4096 630-641 / 626-632, 16384 646-653 / 626-646, causal 16384 622-641
+  // / 614-627, softcap causal 4096 448-461 / 424-444, the rest level (call 3); both against neither at head_dim 128
+  // non-causal 16384 666-672 / 649-658, 1024 620-621 / 624-626 (call 2). Not kept where they lost or gained nothing:
+  // head_dim 64's 128-row tiles (non-causal 1024 426 neither, 414 split, 398-402 both; causal 1024 318 / 310 / 301;
+  // call 1), head_dim 192 and 256 (within -3 to +1 %, call 2). head_dim 96 (head_dim 128's shape) takes both,
+  // unmeasured. The split left head_dim 128's fixed-maximum softcap kernel spilling 12/32 B in the masked blocks' copy
+  // of the loop, until session 31's one-sided mask (flash/common/mask.hpp) removed it.
   static constexpr bool kNarrow64 = kHeadDim_ == 64 && kBlockM_ == 128;
   static constexpr bool kSplitMaskLoop = kHeadDim_ <= 128 && !kNarrow64;
   static constexpr int kSoftmaxChains = kHeadDim_ <= 128 && !kNarrow64 ? 4 : 1;
@@ -228,7 +228,7 @@ struct FwdKernelTraits {
     // > 0: tiles in sections of this many (head, batch) pairs, query blocks longest first across a section
     // (causal-like launches, no left limit: a shorter tail, with a section's K/V sized for L2); 0: head-major.
     int section_heads;
-    // Zeroed int32 set to 1 by a tile with rows for fwd_exact_rows (softmax.hpp, kExactRowsLimitLog2).
+    // Zeroed int32 set to 1 by a tile with rows for fwd_exact_rows (softmax.hpp, kExactRowsFlagLog2).
     int* exact_rows_flag;
   };
 
@@ -654,7 +654,7 @@ CUTLASS_DEVICE void fwd_consumer(typename Traits::Params const& params, typename
     }
   }
 
-  // Rows too large for the one-FFMA exponent are redone after the kernel (kExactRowsLimitLog2; the fixed maximum
+  // Rows too large for the one-FFMA exponent are redone after the kernel (kExactRowsFlagLog2; the fixed maximum
   // bounds them by the softcap).
   if constexpr (!kFixedMax) {
     if (__any_sync(0xffffffffu, softmax.needs_exact_rows()) && mma_tidx % 32 == 0) { *params.exact_rows_flag = 1; }
