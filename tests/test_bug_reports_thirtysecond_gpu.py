@@ -487,6 +487,54 @@ def test_exact_pass_rows_equal_their_decode_calls(dtype):
         assert_same_bits(o_lse, lse[:, :, i:i + 1], f"row {name!r} alone: lse", why)
 
 
+
+GA_OVERFLOW_KEY = 1.6e19  # every key's first element: with q[0] = +-1.5e19 a score of +-2.4e38, finite in float32,
+#                           whose value in log2 units (x 1.4427, softmax_scale 1) is not
+GA_OVERFLOW_ROWS = {"ordinary": 0.0, "overflow +": 1.5e19, "overflow -": -1.5e19, "limit +": 2.9e-15}
+
+
+def test_overflowing_scaled_scores_are_never_a_silent_zero_row():
+    """bf16 scores past ~2.4e38 / softmax_scale are finite in float32 but not in the log2 units the kernels use. Such
+    a row came out 0 with LSE -inf (a row that sees no key: silently wrong) when alone, NaN beside a row the exact pass
+    recomputes ('overflow +'), and the other way round for 'overflow -' (session 66's review). Now the forward flags it
+    and the exact pass returns NaN for it (csrc/flash/fwd/exact_rows_sm90.hpp), in every call: a known deviation, the
+    float32 reference (which subtracts the maximum first) being finite there. Each row alone must give the bits of the
+    call of all four (head_dim 128, 300 keys, softmax_scale 1), the overflowing rows out and LSE NaN, the others right
+    by the rule ('limit +': M ~ 67 500, recomputed by the pass). Written in session 66, not yet run on a GPU."""
+    require_built(128, BF16)
+    g = generator("ga-overflow")
+    k = gaussian((1, GA_EXACT_KEYS, 1, 128), g, BF16)
+    k[..., 0] = GA_OVERFLOW_KEY
+    v = gaussian((1, GA_EXACT_KEYS, 1, 128), g, BF16)
+    rows = []
+    for first in GA_OVERFLOW_ROWS.values():
+        row = gaussian((128,), g, torch.float32, 0.3)
+        row[0] = first
+        rows.append(row.to(BF16))
+    q = torch.stack(rows).view(1, len(rows), 1, 128)
+    scores = (q[0, :, 0].float() @ k[0, :, 0].float().T).amax(dim=1).tolist()
+    for name, s in zip(GA_OVERFLOW_ROWS, scores):  # the premises
+        scaled = abs(s) * math.log2(math.e)
+        ok = (abs(s) < 3.4e38 and scaled > 3.4029e38) if name.startswith("overflow") else scaled < 1e6
+        assert ok, f"row {name!r}: score {s:.4g} is outside what the case needs"
+    poison(q, v)
+    out, lse = flash_attn_hopper.attention(q, k, v, softmax_scale=1.0, return_lse=True)
+    why = " (a row's result must not depend on the other rows of the call)"
+    for i, name in enumerate(GA_OVERFLOW_ROWS):
+        o, o_lse = flash_attn_hopper.attention(q[:, i:i + 1], k, v, softmax_scale=1.0, return_lse=True)
+        assert_same_bits(o, out[:, i:i + 1], f"row {name!r} alone: out", why)
+        assert_same_bits(o_lse, lse[:, :, i:i + 1], f"row {name!r} alone: lse", why)
+        if name.startswith("overflow"):
+            assert torch.isnan(o).all() and torch.isnan(o_lse).all(), (
+                f"row {name!r}: out {o[0, 0, 0, :4].tolist()}, lse {o_lse.flatten().tolist()}: expected NaN, "
+                "never the 0 / -inf of a row that sees no key")
+    keep = [i for i, name in enumerate(GA_OVERFLOW_ROWS) if not name.startswith("overflow")]
+    qk = q[:, keep]
+    ref, ref_lse = attention_ref(qk, k, v, upcast=True, softmax_scale=1.0)
+    naive, naive_lse = attention_ref(qk, k, v, upcast=False, softmax_scale=1.0)
+    assert_close_by_rule(out[:, keep], ref, naive, "ordinary and limit rows: out")
+    assert_close_by_rule(lse[:, :, keep], ref_lse, naive_lse, "ordinary and limit rows: lse")
+
 # GA across head_dim 64's two tile heights (csrc/flash/fwd/tile_choice.hpp picks 192 or 128 rows per problem, so a
 # prefill and its decode calls may run different ones). Each height is forced in a child process (FAH_FWD_BLOCK_M is
 # read once per process) that writes the forward's out and LSE of every case; the parent compares the bits.

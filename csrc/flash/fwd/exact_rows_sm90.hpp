@@ -80,12 +80,14 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
     for (int64_t key0 = lo; key0 < hi; key0 += 32) {
       int64_t const key = key0 + lane;
       float y = -INFINITY;
+      bool overflow = false;  // a finite score whose scaled value (log2 units) is not: NaN, never a silent 0 row
       if (key < hi) {
         float s = 0.f;
         for (int d = 0; d < f.head_dim; ++d) { s = fmaf(float(q[d]), float(k[key * f.k_row_stride + d]), s); }
         y = __fmul_rn(f.softcap > 0.f ? tanhf(s * p.softcap_pre) : s, c);
+        overflow = fabsf(y) == INFINITY && fabsf(s) < INFINITY;
       }
-      nan |= __any_sync(0xffffffffu, y != y);
+      nan |= __any_sync(0xffffffffu, y != y || overflow);
       float m_new = fmaxf(m, y);
       for (int off = 16; off > 0; off /= 2) { m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, off)); }
       if (m_new == -INFINITY) { continue; }  // (warp-uniform) nothing visible yet
