@@ -19,6 +19,12 @@ bwd256_points() {
   GQA_DETERMINISTIC=1 GQA_CAUSAL=no timeout 30 python3 scripts/gqa_bwd_points.py 16384 16 256 \
     | grep -v "^#" | sed 's/$/ deterministic/'
 }
+# Forward TFLOP/s of one build at head_dim 64, bf16, causal and not, with the tile height forced (session 66's A/Bs).
+#   fwd64_points NAME ROUND BLOCK_M SEQLENS SECONDS
+fwd64_points() {
+  use_pack $1; echo "== round $2: $1"
+  FAH_FWD_BLOCK_M=$3 timeout $5 python3 scripts/fwd_points.py 64 $4 --causal both | grep -v "head_dim\|---"
+}
 # Round 29's GPU file with its junit record, and the path each compiled FS step took (session 61's scripts).
 round29_check() {
   timeout ${R29_S:-100} python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_bug_reports_twentyninth_gpu.py \

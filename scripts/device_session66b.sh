@@ -13,9 +13,6 @@ pytest_log sc_round32 "SC: round 32 and the exact-pass files" 80 4 --dist loadfi
 FAH_FWD_BLOCK_M=128 FAH_TEST_HEAD_DIM=64 pytest_log sc_narrow "SC: forward files, 128-row tiles forced" 80 4 \
   --dist loadfile tests/test_fwd_gpu.py tests/test_varlen_gpu.py tests/test_features_gpu.py \
   tests/test_fwd_boundary_gpu.py
-points() {
-  use_pack $1; echo "== round $2: $1"
-  FAH_FWD_BLOCK_M=128 timeout 25 python3 scripts/fwd_points.py 64 1024,4096 --causal both | grep -v "head_dim\|---"
-}
+points() { fwd64_points $1 $2 128 1024,4096 25; }
 points EX 1; points SC 1; points SC 2; points EX 2
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv >> "$OUT/smi_s66b.txt"

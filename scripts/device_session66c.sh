@@ -11,8 +11,5 @@ pytest_log w1_heights "W1: the tile-height case" 40 "" \
 FAH_FWD_BLOCK_M=192 FAH_TEST_HEAD_DIM=64 pytest_log w1_wide "W1: forward files, 192-row tiles forced" 60 4 \
   --dist loadfile tests/test_fwd_gpu.py tests/test_varlen_gpu.py tests/test_features_gpu.py \
   tests/test_fwd_boundary_gpu.py
-points() {
-  use_pack $1; echo "== round $2: $1"
-  FAH_FWD_BLOCK_M=192 timeout 20 python3 scripts/fwd_points.py 64 4096,16384 --causal both | grep -v "head_dim\|---"
-}
+points() { fwd64_points $1 $2 192 4096,16384 20; }
 points EX 1; points W1 1; points W1 2; points EX 2
