@@ -47,6 +47,8 @@ test_exact_pass_rows_equal_their_decode_calls: the same property for rows whose 
 forward's exact pass (csrc/flash/fwd/exact_rows_sm90.hpp), which recomputed rows between 2^15 and 2^16 (log2 units)
 only when another row of the call passed 2^16 (session 65's review; per row since session 66, 73e371d).
 test_head_dim_64_tile_heights_give_the_same_bits: head_dim 64's two tile heights, each forced in a child process.
+test_overflowing_scaled_scores_are_never_a_silent_zero_row: bf16 scores that overflow once scaled to log2 units (NaN
+in every call since 98ccfd5; written after the session's GPU runs, not yet run on a GPU).
 What ran (session 66, an H100; benchmarks/results/2026-12-07_session66/): on 0061d2a's kernels the first 11 passed and
 the exact-pass cases failed (row 'band +' alone: 125 / 102 elements of out differ); on 73e371d's kernels all 13
 passed; the fixed-maximum case also failed, as predicted, on the kernels before 0061d2a; the tile-height case passed
@@ -452,12 +454,11 @@ GA_EXACT_ROWS = {  # name -> q[0]: scaled maximum M = 4 * q[0] * log2(e) roughly
 def test_exact_pass_rows_equal_their_decode_calls(dtype):
     """Rows whose scaled maximum is past 2^16 (and rows just below whose |LSE| * log2(e) reaches 2^16 - 64) are
     recomputed by the forward's exact pass (csrc/flash/fwd/exact_rows_sm90.hpp) and the others are not, whatever else
-    the call holds. Until session 66 the
-    pass, once a row past 2^16 had set its flag, also recomputed every row with |LSE| * log2(e) >= 2^15: rows between
-    2^15 and 2^16 got the main kernel's bits in their decode call and the pass's bits in a call beside a larger row
-    (docs/conventions.md named it as an exception to GA's property; found by session 65's review of the docs). Each
-    row alone (seqlen_q 1) must give the bits it has in the call of all the rows (batch 1, head_dim 128, 300 keys,
-    softmax_scale 1), and that call must be right by the rule."""
+    the call holds. Until session 66 the pass, once a row past 2^16 had set its flag, also recomputed every row with
+    |LSE| * log2(e) >= 2^15: rows between 2^15 and 2^16 got the main kernel's bits in their decode call and the pass's
+    bits in a call beside a larger row (docs/conventions.md named it as an exception to GA's property; found by session
+    65's review of the docs). Each row alone (seqlen_q 1) must give the bits it has in the call of all the rows (batch
+    1, head_dim 128, 300 keys, softmax_scale 1), and that call must be right by the rule."""
     require_built(128, dtype)
     g = generator("ga-exact-pass")
     k = gaussian((1, GA_EXACT_KEYS, 1, 128), g, dtype)
@@ -485,7 +486,6 @@ def test_exact_pass_rows_equal_their_decode_calls(dtype):
         o, o_lse = flash_attn_hopper.attention(q[:, i:i + 1], k, v, softmax_scale=1.0, return_lse=True)
         assert_same_bits(o, out[:, i:i + 1], f"row {name!r} alone: out", why)
         assert_same_bits(o_lse, lse[:, :, i:i + 1], f"row {name!r} alone: lse", why)
-
 
 
 GA_OVERFLOW_KEY = 1.6e19  # every key's first element: with q[0] = +-1.5e19 a score of +-2.4e38, finite in float32,
