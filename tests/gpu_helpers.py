@@ -6,6 +6,7 @@ only, so under `python -O` / PYTHONOPTIMIZE the asserts of a helper module vanis
 whatever the kernels return (tests/bug_report_sources.md, class DS)."""
 
 import contextlib
+import os
 import zlib
 
 import pytest
@@ -13,6 +14,11 @@ import torch
 
 import flash_attn_hopper
 from flash_attn_hopper.interface import kernel_head_dim
+
+# What a child Python process runs first, so that it imports the package this process tests (installed, or the built
+# source tree) ahead of anything else.
+CHILD_PRELUDE = (f"import sys; sys.path.insert(0, "
+                 f"{os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))!r})\n")
 
 DTYPES = [torch.float16, torch.bfloat16]
 

@@ -545,9 +545,6 @@ GA_TILES_CASES = {  # name -> (dtype, seqlen_q, seqlen_k, options)
     "bf16-causal-softcap20": ("bfloat16", 300, 300, {"causal": True, "softcap": 20.0}),
     "fp16-softcap50": ("float16", 300, 300, {"softcap": 50.0}),
 }
-# The children import the package this process tests (installed, or the built source tree) ahead of anything else.
-_GA_TILES_PRELUDE = (f"import sys; sys.path.insert(0, "
-                     f"{os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))!r})\n")
 _GA_TILES_CHILD = """
 import sys, zlib, torch, flash_attn_hopper
 block_m, path, cases = int(sys.argv[1]), sys.argv[2], eval(sys.argv[3])
@@ -583,7 +580,7 @@ def test_head_dim_64_tile_heights_give_the_same_bits(tmp_path):
     for block_m in (128, 192):
         path = tmp_path / f"tiles{block_m}.pt"
         env = dict(os.environ, FAH_FWD_BLOCK_M=str(block_m))
-        r = subprocess.run([sys.executable, "-c", _GA_TILES_PRELUDE + _GA_TILES_CHILD, str(block_m), str(path),
+        r = subprocess.run([sys.executable, "-c", gpu_helpers.CHILD_PRELUDE + _GA_TILES_CHILD, str(block_m), str(path),
                             repr(GA_TILES_CASES)], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         runs[block_m] = torch.load(path)

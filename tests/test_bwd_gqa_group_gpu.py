@@ -15,13 +15,11 @@ import sys
 
 import pytest
 import flash_attn_hopper
-from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import CHILD_PRELUDE, built_dtype as _built_dtype
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
-PRELUDE = f"import sys; sys.path.insert(0, {PACKAGE_ROOT!r})\n"
 FILES = ["tests/test_bwd_gpu.py", "tests/test_varlen_gpu.py", "tests/test_deterministic_gpu.py",
          "tests/test_features_gpu.py", "tests/test_head_dim_v_gpu.py"]
 
@@ -35,7 +33,7 @@ def test_gqa_test_files_pass_in_each_mode(mode, order):
     _built_dtype(128)
     selection = "gqa or mqa or varlen or deterministic or no_access_past or memcheck or lse_loss"
     args = ["-q", "-x", "-p", "no:cacheprovider", "-k", selection, *FILES]
-    code = PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
+    code = CHILD_PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, FAH_BWD_GQA_GROUP_CTA=mode, FAH_BWD_GQA_ORDER=order))
     tail = (r.stdout + r.stderr)[-3000:]

@@ -20,8 +20,7 @@ import sys
 
 import pytest
 
-import flash_attn_hopper
-from gpu_helpers import built_dtype as _built_dtype
+from gpu_helpers import CHILD_PRELUDE, built_dtype as _built_dtype
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -32,9 +31,6 @@ FILES = [
     "tests/test_features_gpu.py",
     "tests/test_fwd_boundary_gpu.py",
 ]
-# The children import the package this process tests (installed, or the built source tree) ahead of anything else.
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
-PRELUDE = f"import sys; sys.path.insert(0, {PACKAGE_ROOT!r})\n"
 
 # Runs one head_dim 64 forward where the launcher would pick the other height (causal 512 -> 128 rows, non-causal
 # 4096 -> 192 rows) and prints the forward kernel's name.
@@ -61,7 +57,7 @@ def _env(block_m):
 @pytest.mark.parametrize("block_m,causal", [(192, "causal"), (128, "full")])
 def test_forced_block_m_is_the_kernel_that_runs(block_m, causal, tmp_path):
     dtype = _built_dtype(64)
-    r = subprocess.run([sys.executable, "-c", PRELUDE + _KERNEL_NAME, str(dtype).split(".")[-1], causal],
+    r = subprocess.run([sys.executable, "-c", CHILD_PRELUDE + _KERNEL_NAME, str(dtype).split(".")[-1], causal],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=_env(block_m))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     line = [l for l in r.stdout.splitlines() if l.startswith("KERNELS")][-1]
@@ -72,7 +68,7 @@ def test_forced_block_m_is_the_kernel_that_runs(block_m, causal, tmp_path):
 def _forward_files_pass(env):
     """Runs FILES in a child process with `env`; they must all pass."""
     args = ["-q", "-x", "-p", "no:cacheprovider", *FILES]
-    code = PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
+    code = CHILD_PRELUDE + f"import pytest; sys.exit(pytest.main({args!r}))\n"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
