@@ -47,8 +47,9 @@ test_exact_pass_rows_equal_their_decode_calls: the same property for rows whose 
 forward's exact pass (csrc/flash/fwd/exact_rows_sm90.hpp), which recomputed rows between 2^15 and 2^16 (log2 units)
 only when another row of the call passed 2^16 (session 65's review; per row since session 66, 73e371d).
 test_head_dim_64_tile_heights_give_the_same_bits: head_dim 64's two tile heights, each forced in a child process.
-test_overflowing_scaled_scores_are_never_a_silent_zero_row: bf16 scores that overflow once scaled to log2 units (NaN
-in every call since 98ccfd5; written after the session's GPU runs, not yet run on a GPU).
+test_scores_past_the_log2_range_follow_the_reference: bf16 scores that overflow once scaled to log2 units (NaN in
+every call since 98ccfd5, which passed on an H100 in session 67; right by the rule since session 67's exact pass in
+natural units).
 What ran (session 66, an H100; benchmarks/results/2026-12-07_session66/): on 0061d2a's kernels the first 11 passed and
 the exact-pass cases failed (row 'band +' alone: 125 / 102 elements of out differ); on 73e371d's kernels all 13
 passed; the fixed-maximum case also failed, as predicted, on the kernels before 0061d2a; the tile-height case passed
@@ -488,23 +489,26 @@ def test_exact_pass_rows_equal_their_decode_calls(dtype):
         assert_same_bits(o_lse, lse[:, :, i:i + 1], f"row {name!r} alone: lse", why)
 
 
-GA_OVERFLOW_KEY = 1.6e19  # every key's first element: with q[0] = +-1.5e19 a score of +-2.4e38, finite in float32,
-#                           whose value in log2 units (x 1.4427, softmax_scale 1) is not
+GA_OVERFLOW_KEY = 1.6e19  # the keys' first element, + on even keys and - on odd: with q[0] = +-1.5e19 scores of
+#                           +-2.4e38, finite in float32, whose values in log2 units (x 1.4427, softmax_scale 1) are not
 GA_OVERFLOW_ROWS = {"ordinary": 0.0, "overflow +": 1.5e19, "overflow -": -1.5e19, "limit +": 2.9e-15}
 
 
-def test_overflowing_scaled_scores_are_never_a_silent_zero_row():
+def test_scores_past_the_log2_range_follow_the_reference():
     """bf16 scores past ~2.4e38 / softmax_scale are finite in float32 but not in the log2 units the kernels use. Such
     a row came out 0 with LSE -inf (a row that sees no key: silently wrong) when alone, NaN beside a row the exact pass
-    recomputes ('overflow +'), and the other way round for 'overflow -' (session 66's review). Now the forward flags it
-    and the exact pass returns NaN for it (csrc/flash/fwd/exact_rows_sm90.hpp), in every call: a known deviation, the
-    float32 reference (which subtracts the maximum first) being finite there. Each row alone must give the bits of the
-    call of all four (head_dim 128, 300 keys, softmax_scale 1), the overflowing rows out and LSE NaN, the others right
-    by the rule ('limit +': M ~ 67 500, recomputed by the pass). Written in session 66, not yet run on a GPU."""
+    recomputes (session 66's review); session 66 made it NaN in every call. Since session 67 the forward flags it and
+    the exact pass (csrc/flash/fwd/exact_rows_sm90.hpp) works in natural units, as the float32 reference does, so the
+    row is right by the rule: half its keys score +2.4e38 and get P = 1, the other half -2.4e38 and get P = 0 (their
+    difference from the maximum is -inf in float32, in the reference too). Each row alone must give the bits of the
+    call of all four (head_dim 128, 300 keys, softmax_scale 1; 'limit +': M ~ 67 500, recomputed by the pass). With
+    softmax_scale 2 the scaled scores themselves overflow float32 and the reference's row is NaN: so must ours be (never
+    the 0 / LSE -inf of a row that sees no key)."""
     require_built(128, BF16)
     g = generator("ga-overflow")
     k = gaussian((1, GA_EXACT_KEYS, 1, 128), g, BF16)
     k[..., 0] = GA_OVERFLOW_KEY
+    k[:, 1::2, :, 0] = -GA_OVERFLOW_KEY
     v = gaussian((1, GA_EXACT_KEYS, 1, 128), g, BF16)
     rows = []
     for first in GA_OVERFLOW_ROWS.values():
@@ -519,21 +523,27 @@ def test_overflowing_scaled_scores_are_never_a_silent_zero_row():
         assert ok, f"row {name!r}: score {s:.4g} is outside what the case needs"
     poison(q, v)
     out, lse = flash_attn_hopper.attention(q, k, v, softmax_scale=1.0, return_lse=True)
+    overflow = [i for i, name in enumerate(GA_OVERFLOW_ROWS) if name.startswith("overflow")]
+    others = [i for i in range(len(GA_OVERFLOW_ROWS)) if i not in overflow]
+    for group, rows in (("overflow", overflow), ("ordinary and limit", others)):  # (apart: an LSE's floor is relative)
+        ref, ref_lse = attention_ref(q[:, rows], k, v, upcast=True, softmax_scale=1.0)
+        naive, naive_lse = attention_ref(q[:, rows], k, v, upcast=False, softmax_scale=1.0)
+        assert torch.isfinite(ref).all() and torch.isfinite(ref_lse).all(), "premise: the reference is finite"
+        assert_close_by_rule(out[:, rows], ref, naive, f"{group} rows: out")
+        assert_close_by_rule(lse[:, :, rows], ref_lse, naive_lse, f"{group} rows: lse")
     why = " (a row's result must not depend on the other rows of the call)"
     for i, name in enumerate(GA_OVERFLOW_ROWS):
         o, o_lse = flash_attn_hopper.attention(q[:, i:i + 1], k, v, softmax_scale=1.0, return_lse=True)
         assert_same_bits(o, out[:, i:i + 1], f"row {name!r} alone: out", why)
         assert_same_bits(o_lse, lse[:, :, i:i + 1], f"row {name!r} alone: lse", why)
-        if name.startswith("overflow"):
-            assert torch.isnan(o).all() and torch.isnan(o_lse).all(), (
-                f"row {name!r}: out {o[0, 0, 0, :4].tolist()}, lse {o_lse.flatten().tolist()}: expected NaN, "
-                "never the 0 / -inf of a row that sees no key")
-    keep = [i for i, name in enumerate(GA_OVERFLOW_ROWS) if not name.startswith("overflow")]
-    qk = q[:, keep]
-    ref, ref_lse = attention_ref(qk, k, v, upcast=True, softmax_scale=1.0)
-    naive, naive_lse = attention_ref(qk, k, v, upcast=False, softmax_scale=1.0)
-    assert_close_by_rule(out[:, keep], ref, naive, "ordinary and limit rows: out")
-    assert_close_by_rule(lse[:, :, keep], ref_lse, naive_lse, "ordinary and limit rows: lse")
+    qo = q[:, overflow]
+    ref2, ref2_lse = attention_ref(qo, k, v, upcast=True, softmax_scale=2.0)
+    assert torch.isnan(ref2).all(), "premise: with softmax_scale 2 the float32 reference's rows are NaN"
+    o2, o2_lse = flash_attn_hopper.attention(qo, k, v, softmax_scale=2.0, return_lse=True)
+    assert torch.isnan(o2).all() and torch.isnan(o2_lse).all(), (
+        f"softmax_scale 2: out {o2[0, :, 0, :4].tolist()}, lse {o2_lse.flatten().tolist()}: expected NaN as the "
+        "reference, never the 0 / -inf of a row that sees no key")
+
 
 # GA across head_dim 64's two tile heights (csrc/flash/fwd/tile_choice.hpp picks 192 or 128 rows per problem, so a
 # prefill and its decode calls may run different ones). Each height is forced in a child process (FAH_FWD_BLOCK_M is

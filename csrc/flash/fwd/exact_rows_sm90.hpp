@@ -26,7 +26,7 @@ namespace flash {
 // The forward's own parameters plus what its launcher derives (window sides as kernel_window gives them).
 struct ExactRowsParams {
   FwdParams fwd;
-  float score_scale_log2, softcap_pre;
+  float score_scale, softcap_pre;  // natural units, as the float32 reference scales (not log2 units: see below)
   int window_left, window_right;
 };
 
@@ -71,7 +71,9 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
                        int64_t(info.offset_k) * f.k_row_stride + bidh_k * f.k_head_stride;
     Element const* v = static_cast<Element const*>(f.v_ptr) + info.bidb * f.v_batch_stride +
                        int64_t(info.offset_k) * f.v_row_stride + bidh_k * f.v_head_stride;
-    float const c = p.score_scale_log2;
+    // Natural units (exp, not exp2): a finite score's scaled value overflows only where the float32 reference's does
+    // (softmax_scale > 1), not from ~2.4e38 / softmax_scale on as in log2 units.
+    float const c = p.score_scale;
     float m = -INFINITY;  // the row's largest rounded scaled score so far
     float l = 0.f;
     bool nan = false;  // a NaN score makes the row NaN, as in the reference (fmaxf would skip it)
@@ -80,7 +82,7 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
     for (int64_t key0 = lo; key0 < hi; key0 += 32) {
       int64_t const key = key0 + lane;
       float y = -INFINITY;
-      bool overflow = false;  // a finite score whose scaled value (log2 units) is not: NaN, never a silent 0 row
+      bool overflow = false;  // a finite score whose scaled value is not: NaN, never a silent 0 row
       if (key < hi) {
         float s = 0.f;
         for (int d = 0; d < f.head_dim; ++d) { s = fmaf(float(q[d]), float(k[key * f.k_row_stride + d]), s); }
@@ -91,8 +93,8 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
       float m_new = fmaxf(m, y);
       for (int off = 16; off > 0; off /= 2) { m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, off)); }
       if (m_new == -INFINITY) { continue; }  // (warp-uniform) nothing visible yet
-      float const pr = y == -INFINITY ? 0.f : exp2f(y - m_new);
-      float const rescale = m == -INFINITY ? 0.f : exp2f(m - m_new);
+      float const pr = y == -INFINITY ? 0.f : expf(y - m_new);
+      float const rescale = m == -INFINITY ? 0.f : expf(m - m_new);
       m = m_new;
       float sum = pr;
       for (int off = 16; off > 0; off /= 2) { sum += __shfl_xor_sync(0xffffffffu, sum, off); }
@@ -118,7 +120,7 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
       int const d = lane + 32 * t;
       if (d < f.head_dim_v) { out[d] = Element(o_in_range<Element>(o[t] * inv)); }  // (fp16: clamped)
     }
-    if (lane == 0) { *lse = empty ? -INFINITY : fmaf(m, float(M_LN2), logf(l)); }
+    if (lane == 0) { *lse = empty ? -INFINITY : m + logf(l); }
   }
 }
 
@@ -126,7 +128,7 @@ __global__ void __launch_bounds__(kExactRowsThreads) fwd_exact_rows_kernel(__gri
 template <class Element>
 cudaError_t launch_fwd_exact_rows(FwdParams const& p, ScoreScales const& scales, int window_left, int window_right,
                                   cudaStream_t stream) {
-  ExactRowsParams const ep{p, scales.score_scale_log2, scales.softcap_pre, window_left, window_right};
+  ExactRowsParams const ep{p, scales.score_scale, scales.softcap_pre, window_left, window_right};
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(std::max(p.num_sms, 1));
   config.blockDim = dim3(kExactRowsThreads);
