@@ -192,9 +192,9 @@ struct OnlineSoftmax {
   // Whether a row of this thread has a finite maximum whose scaled magnitude is kExactRowsFlagLog2 or more (past
   // kExactRowsLimitLog2 its P carry a rounding factor 2^r that may not cancel), infinite scaled values included: a
   // finite score whose scaled value (log2 units) overflows leaves the row's P all 0 or infinite here (a silent 0 row or
-  // NaN); the pass returns NaN for such a row, wrong but visible (scores past ~2.4e38 / softmax_scale, where the
-  // float32 reference is finite). Rows with no key (-inf) or a non-finite maximum (inf or NaN scores, which propagate
-  // as in the reference) are not flagged.
+  // NaN); the pass, in natural units, gets the float32 reference's answer for it (scores past ~2.4e38 /
+  // softmax_scale). Rows with no key (-inf) or a non-finite maximum (inf or NaN scores, which propagate as in the
+  // reference) are not flagged.
   CUTLASS_DEVICE bool needs_exact_rows() const {
     bool any = false;
     CUTLASS_PRAGMA_UNROLL

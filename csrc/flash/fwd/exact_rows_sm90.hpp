@@ -3,9 +3,9 @@
 // a programmatic dependent launch; it returns at once unless the forward set its flag, so it costs a launch and a
 // load. When the flag is set, every row whose LSE is non-finite or of magnitude kExactRowsSelectLog2 or more (in
 // log2 units; softmax.hpp says why such a row's own maximum set the flag) is recomputed: one warp per row, Q, K and V
-// from global memory, float32 dot products, each scaled score rounded before the row's rounded maximum is subtracted
-// (P = 1 at the maximum, never above), and O rescaled between the same rounded maxima. Slow (no tensor cores), and
-// meant only for inputs past that bound.
+// from global memory, float32 dot products, each scaled score (natural units) rounded before the row's rounded maximum
+// is subtracted (P = 1 at the maximum, never above), and O rescaled between the same rounded maxima. Slow (no tensor
+// cores), and meant only for inputs past that bound.
 #pragma once
 
 #include <algorithm>
