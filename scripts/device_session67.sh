@@ -9,7 +9,8 @@ OUT=${OUT:-/tmp/s67}; mkdir -p "$OUT"
 T0=$(date +%s); el() { echo "+$(( $(date +%s) - T0 ))s"; }
 PREBUILT=NAT PACK=nat PHASES=none BUDGET=330 OUT="$OUT/check" bash scripts/device_check_parallel.sh \
   > "$OUT/check.txt" 2>&1
-echo "sass $(el): $(grep -m1 'HGMMA check' "$OUT/check.txt"); $(grep -m1 -o 'spills: [0-9]* kernel(s) spill' "$OUT/check.txt")"
+echo "sass $(el): $(grep -m1 'HGMMA check' "$OUT/check.txt");" \
+  "$(grep -m1 -o 'spills: [0-9]* kernel(s) spill' "$OUT/check.txt")"
 export FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/NAT/build.log
 timeout -s INT -k 10 170 python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadfile \
   tests/test_bug_reports_thirtysecond_gpu.py tests/test_bug_reports_thirtyfirst_gpu.py \

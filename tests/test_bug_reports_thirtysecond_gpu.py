@@ -49,7 +49,8 @@ only when another row of the call passed 2^16 (session 65's review; per row sinc
 test_head_dim_64_tile_heights_give_the_same_bits: head_dim 64's two tile heights, each forced in a child process.
 test_scores_past_the_log2_range_follow_the_reference: bf16 scores that overflow once scaled to log2 units (NaN in
 every call since 98ccfd5, which passed on an H100 in session 67; right by the rule since session 67's exact pass in
-natural units).
+natural units, which passed there too). test_gradients_past_the_log2_range_are_nan_never_zero: the backward of such a
+row, NaN where it was silently 0 (session 67; not yet run on a GPU).
 What ran (session 66, an H100; benchmarks/results/2026-12-07_session66/): on 0061d2a's kernels the first 11 passed and
 the exact-pass cases failed (row 'band +' alone: 125 / 102 elements of out differ); on 73e371d's kernels all 13
 passed; the fixed-maximum case also failed, as predicted, on the kernels before 0061d2a; the tile-height case passed
@@ -494,17 +495,8 @@ GA_OVERFLOW_KEY = 1.6e19  # the keys' first element, + on even keys and - on odd
 GA_OVERFLOW_ROWS = {"ordinary": 0.0, "overflow +": 1.5e19, "overflow -": -1.5e19, "limit +": 2.9e-15}
 
 
-def test_scores_past_the_log2_range_follow_the_reference():
-    """bf16 scores past ~2.4e38 / softmax_scale are finite in float32 but not in the log2 units the kernels use. Such
-    a row came out 0 with LSE -inf (a row that sees no key: silently wrong) when alone, NaN beside a row the exact pass
-    recomputes (session 66's review); session 66 made it NaN in every call. Since session 67 the forward flags it and
-    the exact pass (csrc/flash/fwd/exact_rows_sm90.hpp) works in natural units, as the float32 reference does, so the
-    row is right by the rule: half its keys score +2.4e38 and get P = 1, the other half -2.4e38 and get P = 0 (their
-    difference from the maximum is -inf in float32, in the reference too). Each row alone must give the bits of the
-    call of all four (head_dim 128, 300 keys, softmax_scale 1; 'limit +': M ~ 67 500, recomputed by the pass). With
-    softmax_scale 2 the scaled scores themselves overflow float32 and the reference's row is NaN: so must ours be (never
-    the 0 / LSE -inf of a row that sees no key)."""
-    require_built(128, BF16)
+def _overflow_case():
+    """q (the rows of GA_OVERFLOW_ROWS), k and v (bf16, head_dim 128, GA_EXACT_KEYS keys), the premises asserted."""
     g = generator("ga-overflow")
     k = gaussian((1, GA_EXACT_KEYS, 1, 128), g, BF16)
     k[..., 0] = GA_OVERFLOW_KEY
@@ -521,16 +513,31 @@ def test_scores_past_the_log2_range_follow_the_reference():
         scaled = abs(s) * math.log2(math.e)
         ok = (abs(s) < 3.4e38 and scaled > 3.4029e38) if name.startswith("overflow") else scaled < 1e6
         assert ok, f"row {name!r}: score {s:.4g} is outside what the case needs"
+    return q, k, v
+
+
+def test_scores_past_the_log2_range_follow_the_reference():
+    """bf16 scores past ~2.4e38 / softmax_scale are finite in float32 but not in the log2 units the kernels use. Such
+    a row came out 0 with LSE -inf (a row that sees no key: silently wrong) when alone, NaN beside a row the exact pass
+    recomputes (session 66's review); session 66 made it NaN in every call. Since session 67 the forward flags it and
+    the exact pass (csrc/flash/fwd/exact_rows_sm90.hpp) works in natural units, as the float32 reference does, so the
+    row is right by the rule: half its keys score +2.4e38 and get P = 1, the other half -2.4e38 and get P = 0 (their
+    difference from the maximum is -inf in float32, in the reference too). Each row alone must give the bits of the
+    call of all four (head_dim 128, 300 keys, softmax_scale 1; 'limit +': M ~ 66 900, recomputed by the pass). With
+    softmax_scale 2 the scaled scores themselves overflow float32 (+inf on half the keys): the reference's out is NaN
+    (its LSE +inf), and ours must be NaN, out and LSE (never the 0 / LSE -inf of a row that sees no key)."""
+    require_built(128, BF16)
+    q, k, v = _overflow_case()
     poison(q, v)
     out, lse = flash_attn_hopper.attention(q, k, v, softmax_scale=1.0, return_lse=True)
     overflow = [i for i, name in enumerate(GA_OVERFLOW_ROWS) if name.startswith("overflow")]
     others = [i for i in range(len(GA_OVERFLOW_ROWS)) if i not in overflow]
-    for group, rows in (("overflow", overflow), ("ordinary and limit", others)):  # (apart: an LSE's floor is relative)
-        ref, ref_lse = attention_ref(q[:, rows], k, v, upcast=True, softmax_scale=1.0)
-        naive, naive_lse = attention_ref(q[:, rows], k, v, upcast=False, softmax_scale=1.0)
+    for group, idx in (("overflow", overflow), ("ordinary and limit", others)):  # (apart: an LSE's floor is relative)
+        ref, ref_lse = attention_ref(q[:, idx], k, v, upcast=True, softmax_scale=1.0)
+        naive, naive_lse = attention_ref(q[:, idx], k, v, upcast=False, softmax_scale=1.0)
         assert torch.isfinite(ref).all() and torch.isfinite(ref_lse).all(), "premise: the reference is finite"
-        assert_close_by_rule(out[:, rows], ref, naive, f"{group} rows: out")
-        assert_close_by_rule(lse[:, :, rows], ref_lse, naive_lse, f"{group} rows: lse")
+        assert_close_by_rule(out[:, idx], ref, naive, f"{group} rows: out")
+        assert_close_by_rule(lse[:, :, idx], ref_lse, naive_lse, f"{group} rows: lse")
     why = " (a row's result must not depend on the other rows of the call)"
     for i, name in enumerate(GA_OVERFLOW_ROWS):
         o, o_lse = flash_attn_hopper.attention(q[:, i:i + 1], k, v, softmax_scale=1.0, return_lse=True)
@@ -543,6 +550,32 @@ def test_scores_past_the_log2_range_follow_the_reference():
     assert torch.isnan(o2).all() and torch.isnan(o2_lse).all(), (
         f"softmax_scale 2: out {o2[0, :, 0, :4].tolist()}, lse {o2_lse.flatten().tolist()}: expected NaN as the "
         "reference, never the 0 / -inf of a row that sees no key")
+
+
+def test_gradients_past_the_log2_range_are_nan_never_zero():
+    """The backward of test_scores_past_the_log2_range_follow_the_reference's 'overflow +' row (bf16, head_dim 128,
+    softmax_scale 1). Its forward is right (LSE ~2.4e38), but the backward takes P = exp2(s * scale * log2 e - LSE *
+    log2 e), where both products overflow: LSE * log2 e = +inf is the mark of a row with no key, so until session 67
+    the row's dQ came out 0 and it added nothing to dK, dV, silently (session 67's review). The backward's
+    preprocess now writes NaN there (csrc/flash/bwd/prepost_bwd_sm90.hpp): a known deviation (the float32 reference's
+    gradients are finite), never a silent zero. Written in session 67, not yet run on a GPU."""
+    require_built(128, BF16)
+    q, k, v = _overflow_case()
+    i = list(GA_OVERFLOW_ROWS).index("overflow +")
+    q = q[:, i:i + 1].clone()
+    dout = gaussian((1, 1, 1, 128), generator("ga-overflow-dout"), BF16)
+    qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(qr, kr, vr, upcast=True, softmax_scale=1.0)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout.float())
+    assert all(torch.isfinite(t).all() for t in ref_grads), "premise: the reference's gradients are finite"
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = flash_attn_hopper.attention(q, k, v, softmax_scale=1.0, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), "premise: the forward is finite"
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for name, grad in zip(("dq", "dk", "dv"), grads):
+        assert torch.isnan(grad).all(), (
+            f"{name}: {int(torch.isnan(grad).sum())} of {grad.numel()} elements NaN, "
+            f"{int((grad == 0).sum())} zero: expected all NaN (a known deviation), never a silent 0")
 
 
 # GA across head_dim 64's two tile heights (csrc/flash/fwd/tile_choice.hpp picks 192 or 128 rows per problem, so a

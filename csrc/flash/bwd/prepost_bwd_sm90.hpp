@@ -86,6 +86,9 @@ __global__ void __launch_bounds__(kPreprocessThreads) flash_bwd_preprocess_kerne
       float const lse = p.lse_ptr[row_idx];
       if (lse != -INFINITY) {  // a row that saw no key has P = 0: its dLSE (even inf or NaN) must not leak in
         lse_log2 = lse * float(M_LOG2E);
+        // A finite LSE past ~2.4e38 (the forward's exact pass, in natural units) overflows here: NaN gradients, never
+        // the +inf that marks a row with no key (P = 0: silently zero dQ and no share of dK, dV).
+        if (fabsf(lse_log2) == INFINITY && fabsf(lse) < INFINITY) { lse_log2 = NAN; }
         if (p.dlse_ptr != nullptr) { dot -= p.dlse_ptr[row_idx]; }
       }
     }

@@ -26,7 +26,7 @@ namespace flash {
 // The forward's own parameters plus what its launcher derives (window sides as kernel_window gives them).
 struct ExactRowsParams {
   FwdParams fwd;
-  float score_scale, softcap_pre;  // natural units, as the float32 reference scales (not log2 units: see below)
+  float score_scale, softcap_pre;  // ScoreScales' (score_scale without log2 e: the pass works in natural units)
   int window_left, window_right;
 };
 
