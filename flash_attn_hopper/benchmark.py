@@ -234,6 +234,7 @@ def parse_args(argv=None):
         args.head_dims = args.head_dims[:1] if args.head_dims != list(ALL_HEAD_DIMS) else None
     if args.json is None and args.input is None:
         args.json = DEFAULT_SMOKE_JSON if args.smoke else DEFAULT_JSON
+    _check_output_paths(p, args)
     args.directions = list(DIRECTIONS) if args.direction == "both" else [args.direction]
     for hd in args.head_dims or []:
         if hd <= 0 or args.hidden % hd:
@@ -249,6 +250,25 @@ HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 8, 256
 def ours_runs_head_dim(head_dim):
     """Whether flash_attn_hopper has kernels for head_dim (a multiple of 8 from 8 to 256) in a full build."""
     return 0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0
+
+
+def _check_output_paths(p, args):
+    """--json / --summary name files and --plots a folder: refused at parse time (exit status 2) where the path cannot
+    be one, instead of a traceback after the grid's first point (--json, leaving PATH.tmp) or after the whole grid
+    (--summary)."""
+    for flag, path, want_dir in (("--json", args.json, False), ("--summary", args.summary, False),
+                                 ("--plots", args.plots, True)):
+        if not path:
+            continue
+        full = os.path.abspath(path)
+        if os.path.exists(full) and os.path.isdir(full) != want_dir:
+            p.error(f"{flag} {path} is {'not a folder' if want_dir else 'a folder'}; it needs a "
+                    f"{'folder' if want_dir else 'file path'}")
+        parent = os.path.dirname(full)
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
+        if parent and not os.path.isdir(parent):
+            p.error(f"{flag} {path}: {parent} is a file, not a folder")
 
 
 def _check_sizes(p, args):
@@ -1304,11 +1324,70 @@ def write_json(path, doc):
     os.replace(tmp, path)
 
 
-def load_record(path):
-    with open(path) as f:
-        doc = _from_json(json.load(f))
+def _is_number(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_record(doc, path):
+    """ValueError naming the first field of a loaded record whose type the tables, comparison and plots cannot read
+    (a corrupted or hand-edited baseline must read as unreadable input, exit 2, never as a regression or a crash)."""
+    def bad(where, what):
+        raise ValueError(f"{path} is not a benchmark record ({where}: {what})")
+
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
-        raise ValueError(f"{path} is not a benchmark record (no 'results' list)")
+        bad("top level", "no 'results' list")
+    for key in ("meta", "config"):
+        if key in doc and not isinstance(doc[key], dict):
+            bad(key, f"an object expected, got {type(doc[key]).__name__}")
+    commit = doc.get("meta", {}).get("git_commit")
+    if commit is not None and not isinstance(commit, str):
+        bad("meta.git_commit", f"a string expected, got {commit!r}")
+    for i, rec in enumerate(doc["results"]):
+        where = f"results[{i}]"
+        if not isinstance(rec, dict):
+            bad(where, f"an object expected, got {type(rec).__name__}")
+        for key in ("head_dim", "seqlen"):
+            if not isinstance(rec.get(key), int) or isinstance(rec.get(key), bool):
+                bad(f"{where}.{key}", f"an integer expected, got {rec.get(key)!r}")
+        if not isinstance(rec.get("causal"), (bool, int)):
+            bad(f"{where}.causal", f"a boolean expected, got {rec.get('causal')!r}")
+        for key in ("feature", "skipped"):
+            if key in rec and rec[key] is not None and not isinstance(rec[key], str):
+                bad(f"{where}.{key}", f"a string expected, got {rec[key]!r}")
+        for d in DIRECTIONS:
+            part = rec.get(d)
+            if part is None:
+                continue
+            if not isinstance(part, dict):
+                bad(f"{where}.{d}", f"an object expected, got {type(part).__name__}")
+            if "flops" in part and not _is_number(part["flops"]):
+                bad(f"{where}.{d}.flops", f"a number expected, got {part['flops']!r}")
+            for key in ("tflops", "ratio", "ms"):
+                if key not in part:
+                    continue
+                if not isinstance(part[key], dict):
+                    bad(f"{where}.{d}.{key}", f"an object expected, got {type(part[key]).__name__}")
+                for name, x in part[key].items():
+                    if x is not None and not _is_number(x):
+                        bad(f"{where}.{d}.{key}.{name}", f"a number or null expected, got {x!r}")
+            for key in ("stats", "errors", "check"):
+                if key in part and not isinstance(part[key], dict):
+                    bad(f"{where}.{d}.{key}", f"an object expected, got {type(part[key]).__name__}")
+            for name, st in part.get("stats", {}).items():
+                if st is not None and not (isinstance(st, dict) and all(
+                        x is None or _is_number(x) for x in st.values())):
+                    bad(f"{where}.{d}.stats.{name}", f"an object of numbers expected, got {st!r}")
+
+
+def load_record(path):
+    """The benchmark record (JSON) at path; ValueError where it is not one (see _check_record), OSError where it cannot
+    be read."""
+    with open(path) as f:
+        try:
+            doc = _from_json(json.load(f))
+        except json.JSONDecodeError as e:  # (a ValueError: kept, with the path)
+            raise ValueError(f"{path} is not JSON: {e}") from None
+    _check_record(doc, path)
     return doc
 
 

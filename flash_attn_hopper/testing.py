@@ -17,8 +17,8 @@ import threading
 
 import torch
 
-from .interface import (_check_causal, _check_document_ids_dtype, _check_document_ids_shape, _check_same_dtype,
-                        _check_scale, _check_shapes_agree, _check_softcap, _check_window)
+from .interface import (_check_bool, _check_causal, _check_document_ids_dtype, _check_document_ids_shape,
+                        _check_same_dtype, _check_scale, _check_shapes_agree, _check_softcap, _check_window)
 
 # The dtypes the references compute in: attention's fp16 / bf16, and float32 / float64 for references of higher
 # precision (and for the comparisons' own tests).
@@ -96,7 +96,14 @@ def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=No
     ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``, -1 leaving a side unbounded;
     causal sets right = 0. Raises as ``attention`` does (interface._check_window: TypeError for a side that is not an
     int, ValueError for one below -1 or causal with a right side above 0; TypeError for a causal that is not a bool),
-    so that a reference is never computed under a rule the kernels do not have."""
+    so that a reference is never computed under a rule the kernels do not have; TypeError / ValueError for a seqlen
+    that is not an int >= 0 (torch's own errors named neither)."""
+    for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"{name} must be >= 0, got {n}")
+    seqlen_q, seqlen_k = int(seqlen_q), int(seqlen_k)
     left, right = _check_window(window_size, _check_causal(causal))
     i = torch.arange(seqlen_q, device=device).unsqueeze(1)
     j = torch.arange(seqlen_k, device=device).unsqueeze(0)
@@ -111,7 +118,14 @@ def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=No
 
 def document_mask(document_ids):
     """Boolean (batch, seqlen, seqlen), True where positions i and j lie in one run of equal consecutive ids (one
-    document of ``flash_attn_hopper.attention``'s document_ids)."""
+    document of ``flash_attn_hopper.attention``'s document_ids). Raises as ``attention`` does: TypeError for a
+    document_ids that is not a tensor of an integer dtype (float ids were truncated: 0.2 and 0.7 one document),
+    ValueError for one that is not (batch, seqlen)."""
+    if not isinstance(document_ids, torch.Tensor):
+        raise TypeError(f"document_ids must be a torch.Tensor, got {type(document_ids).__name__}")
+    _check_document_ids_dtype(document_ids)
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must have shape (batch, seqlen), got {tuple(document_ids.shape)}")
     ids = document_ids.long()
     run = torch.cat([torch.zeros_like(ids[:, :1]), (ids[:, 1:] != ids[:, :-1]).long()], dim=1).cumsum(1)
     return run.unsqueeze(2) == run.unsqueeze(1)
@@ -232,6 +246,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
     ValueError, as ``attention`` does, for q, k, v of different dtypes, document_ids of a floating dtype, and
     softmax_scale, causal or softcap values that ``attention`` refuses (float32 and float64 inputs are taken).
     """
+    upcast = _check_bool("upcast", upcast)
     _check_shapes(q, k, v, document_ids=document_ids)
     scale, causal, softcap = _check_options(q, softmax_scale, causal, softcap)
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
@@ -250,9 +265,9 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, upcast=True, window
 
 
 def max_abs_err(a, b):
-    """Max |a - b| over finite-or-not elements; NaN if either holds a NaN where the other does not match. a and b must
-    have one shape (ValueError otherwise: broadcasting compared, e.g., a reference of batch 1 with every batch
-    element)."""
+    """Max |a - b| over finite-or-not elements (equal infinities differ by 0); NaN if either holds a NaN, also at a
+    position where the other holds one (a NaN never counts as agreement). a and b must have one shape (ValueError
+    otherwise: broadcasting compared, e.g., a reference of batch 1 with every batch element)."""
     if a.shape != b.shape:
         raise ValueError(f"max_abs_err compares tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     a = a.double()
@@ -323,6 +338,7 @@ def attention_ref_grads(
     dlse: optional gradient of the loss with respect to the LSE (batch, nheads, seqlen_q), added to the graph's
     output gradients (rows with LSE -inf take none: they have no scores to pass it to).
     """
+    upcast = _check_bool("upcast", upcast)
     _check_shapes(q, k, v, dout, dlse, document_ids)
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     # (under torch.inference_mode() enable_grad alone records nothing: "element 0 of tensors does not require grad")
@@ -367,6 +383,7 @@ def attention_bwd_ref(
     upcast=False in the input dtype. Returns (dq, dk, dv) in the compute dtype. Refuses, as ``attention_ref``, shapes,
     dtypes and option values ``attention`` refuses.
     """
+    upcast = _check_bool("upcast", upcast)
     _check_shapes(q, k, v, dout, dlse)
     alpha, causal, softcap = _check_options(q, softmax_scale, causal, softcap)
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
@@ -409,6 +426,7 @@ def attention_varlen_ref(
     ValueError, naming the argument, for shapes and cu_seqlens ``attention_varlen`` refuses (cu_seqlens of different
     lengths, negative, decreasing or past the rows; any integer dtype is taken), and, as ``attention_ref``, TypeError /
     ValueError for mixed dtypes and option values ``attention_varlen`` refuses (also with no sequence)."""
+    upcast = _check_bool("upcast", upcast)
     _check_shapes(q, k, v, varlen=True)
     _check_options(q, softmax_scale, causal, softcap)  # (also where no sequence would reach attention_ref's check)
     _check_window(window_size, causal)
@@ -438,6 +456,7 @@ def attention_varlen_ref(
 def attention_varlen_ref_grads(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, upcast=True, dlse=None, **kwargs):
     """(dq, dk, dv) of ``attention_varlen_ref`` by autograd for output gradient dout (and LSE gradient dlse, as in
     ``attention_ref_grads``); kwargs as ``attention_varlen_ref``."""
+    upcast = _check_bool("upcast", upcast)
     _check_shapes(q, k, v, dout, dlse, varlen=True)
     compute = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     with torch.inference_mode(False), torch.enable_grad():  # (as attention_ref_grads)
