@@ -253,21 +253,28 @@ def ours_runs_head_dim(head_dim):
 
 
 def _check_output_paths(p, args):
-    """--json / --summary name files and --plots a folder: refused at parse time (exit status 2) where the path cannot
-    be one, instead of a traceback after the grid's first point (--json, leaving PATH.tmp) or after the whole grid
-    (--summary)."""
+    """--json / --summary name files, --plots / --history folders: refused at parse time (exit status 2) where the path
+    cannot be one, instead of a traceback after the grid's first point (--json, leaving PATH.tmp) or after the whole
+    grid (--summary, --plots, --history's history.png). The path is walked as the OS will walk it (not normalised:
+    "afile/../x" fails there)."""
     for flag, path, want_dir in (("--json", args.json, False), ("--summary", args.summary, False),
-                                 ("--plots", args.plots, True)):
+                                 ("--plots", args.plots, True), ("--history", args.history, True)):
         if not path:
             continue
-        full = os.path.abspath(path)
+        if not want_dir and path.endswith((os.sep, "/")):
+            p.error(f"{flag} {path} ends with a separator; it needs a file path")
+        full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+        if want_dir and os.path.lexists(full) and not os.path.exists(full):  # (a file's is replaced by the writer)
+            p.error(f"{flag} {path} is a broken link")
         if os.path.exists(full) and os.path.isdir(full) != want_dir:
             p.error(f"{flag} {path} is {'not a folder' if want_dir else 'a folder'}; it needs a "
                     f"{'folder' if want_dir else 'file path'}")
         parent = os.path.dirname(full)
-        while parent and not os.path.exists(parent):
-            parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
-        if parent and not os.path.isdir(parent):
+        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+            if os.path.lexists(parent):
+                p.error(f"{flag} {path}: {parent} is a broken link")
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
             p.error(f"{flag} {path}: {parent} is a file, not a folder")
 
 
@@ -1325,58 +1332,104 @@ def write_json(path, doc):
 
 
 def _is_number(x):
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    """A real number the tables can format and divide (a float; not a bool, not an int past float's range)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return False
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
+
+
+MAX_RECORD_SEQLEN = 1 << 22  # a point's seqlen in a record: the summary's window arithmetic loops over it
 
 
 def _check_record(doc, path):
-    """ValueError naming the first field of a loaded record whose type the tables, comparison and plots cannot read
-    (a corrupted or hand-edited baseline must read as unreadable input, exit 2, never as a regression or a crash)."""
+    """ValueError naming the first field of a loaded record that the tables, comparison and plots cannot read (a
+    corrupted or hand-edited baseline must read as unreadable input, exit status 2, never as a regression, exit 1, or
+    a traceback); then the readers themselves run once on it (_dry_run_readers), for what the fields' checks miss."""
     def bad(where, what):
         raise ValueError(f"{path} is not a benchmark record ({where}: {what})")
+
+    def number_map(where, m, required=False):
+        if m is None and not required:
+            return
+        if not isinstance(m, dict):
+            bad(where, f"an object expected, got {type(m).__name__}")
+        for name, x in m.items():
+            if x is not None and not _is_number(x):
+                bad(f"{where}.{name}", f"a number or null expected, got {x!r}")
 
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
         bad("top level", "no 'results' list")
     for key in ("meta", "config"):
         if key in doc and not isinstance(doc[key], dict):
             bad(key, f"an object expected, got {type(doc[key]).__name__}")
-    commit = doc.get("meta", {}).get("git_commit")
-    if commit is not None and not isinstance(commit, str):
-        bad("meta.git_commit", f"a string expected, got {commit!r}")
+    meta = doc.get("meta", {})
+    if meta.get("git_commit") is not None and not isinstance(meta["git_commit"], str):
+        bad("meta.git_commit", f"a string expected, got {meta['git_commit']!r}")
+    for key in ("sm_clock_before", "sm_clock_after"):
+        number_map(f"meta.{key}", meta.get(key))
     for i, rec in enumerate(doc["results"]):
         where = f"results[{i}]"
         if not isinstance(rec, dict):
             bad(where, f"an object expected, got {type(rec).__name__}")
-        for key in ("head_dim", "seqlen"):
-            if not isinstance(rec.get(key), int) or isinstance(rec.get(key), bool):
-                bad(f"{where}.{key}", f"an integer expected, got {rec.get(key)!r}")
+        for key, hi in (("head_dim", 1 << 12), ("seqlen", MAX_RECORD_SEQLEN)):
+            x = rec.get(key)
+            if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= hi:
+                bad(f"{where}.{key}", f"an integer in [1, {hi}] expected, got {x!r}")
         if not isinstance(rec.get("causal"), (bool, int)):
             bad(f"{where}.causal", f"a boolean expected, got {rec.get('causal')!r}")
-        for key in ("feature", "skipped"):
-            if key in rec and rec[key] is not None and not isinstance(rec[key], str):
+        for key in ("feature", "dtype"):
+            if key in rec and not isinstance(rec[key], str):
                 bad(f"{where}.{key}", f"a string expected, got {rec[key]!r}")
+        if rec.get("skipped") is not None and not isinstance(rec["skipped"], str):
+            bad(f"{where}.skipped", f"a string or null expected, got {rec['skipped']!r}")
         for d in DIRECTIONS:
-            part = rec.get(d)
-            if part is None:
+            if d not in rec:
                 continue
+            part, pw = rec[d], f"{where}.{d}"
             if not isinstance(part, dict):
-                bad(f"{where}.{d}", f"an object expected, got {type(part).__name__}")
-            if "flops" in part and not _is_number(part["flops"]):
-                bad(f"{where}.{d}.flops", f"a number expected, got {part['flops']!r}")
-            for key in ("tflops", "ratio", "ms"):
-                if key not in part:
-                    continue
-                if not isinstance(part[key], dict):
-                    bad(f"{where}.{d}.{key}", f"an object expected, got {type(part[key]).__name__}")
-                for name, x in part[key].items():
-                    if x is not None and not _is_number(x):
-                        bad(f"{where}.{d}.{key}.{name}", f"a number or null expected, got {x!r}")
+                bad(pw, f"an object expected, got {type(part).__name__}")
+            if not _is_number(part.get("flops")) or not part["flops"] > 0:
+                bad(f"{pw}.flops", f"a positive number expected, got {part.get('flops')!r}")
+            number_map(f"{pw}.tflops", part.get("tflops"), required=True)
+            for key in ("ratio", "ms"):
+                number_map(f"{pw}.{key}", part.get(key))
             for key in ("stats", "errors", "check"):
                 if key in part and not isinstance(part[key], dict):
-                    bad(f"{where}.{d}.{key}", f"an object expected, got {type(part[key]).__name__}")
+                    bad(f"{pw}.{key}", f"an object expected, got {type(part[key]).__name__}")
             for name, st in part.get("stats", {}).items():
-                if st is not None and not (isinstance(st, dict) and all(
-                        x is None or _is_number(x) for x in st.values())):
-                    bad(f"{where}.{d}.stats.{name}", f"an object of numbers expected, got {st!r}")
+                if not st:
+                    continue
+                number_map(f"{pw}.stats.{name}", st)
+                if not all(_is_number(st.get(q)) and st[q] > 0 for q in ("median", "p20", "p80")):
+                    bad(f"{pw}.stats.{name}", f"positive median, p20 and p80 expected, got {st!r}")
+            for key, x in part.get("check", {}).items():
+                if key.startswith("maxdiff_vs_") and x is not None and not _is_number(x):
+                    bad(f"{pw}.check.{key}", f"a number or null expected, got {x!r}")
+            adjacent = part.get("adjacent", [])
+            if not isinstance(adjacent, list):
+                bad(f"{pw}.adjacent", f"a list expected, got {type(adjacent).__name__}")
+            for j, a in enumerate(adjacent):
+                ok = (isinstance(a, dict) and isinstance(a.get("kind"), str) and isinstance(a.get("seqlen"), int)
+                      and (a.get("ratio") is None or _is_number(a["ratio"])))
+                if not ok:
+                    bad(f"{pw}.adjacent[{j}]", f"an object of kind (a string), seqlen (an int), ratio expected: {a!r}")
+    _dry_run_readers(doc, path)
+
+
+def _dry_run_readers(doc, path):
+    """Runs the tables, the summary and a comparison of the record with itself (output discarded): whatever a field
+    the checks above do not name makes them raise becomes the ValueError of an unreadable record."""
+    try:
+        format_table(doc["results"], [d for d in DIRECTIONS if any(d in r for r in doc["results"])])
+        skipped_notes(doc["results"])
+        format_summary(doc)
+        format_comparison(compare_records(doc, doc, 0.05))
+    except Exception as e:  # noqa: BLE001 (any reader's failure is the record's)
+        raise ValueError(f"{path} is not a benchmark record (its tables fail: {type(e).__name__}: {e})") from None
 
 
 def load_record(path):
@@ -1385,8 +1438,8 @@ def load_record(path):
     with open(path) as f:
         try:
             doc = _from_json(json.load(f))
-        except json.JSONDecodeError as e:  # (a ValueError: kept, with the path)
-            raise ValueError(f"{path} is not JSON: {e}") from None
+        except (json.JSONDecodeError, RecursionError) as e:  # (nested past the parser's limit: RecursionError)
+            raise ValueError(f"{path} is not JSON that a benchmark record can be: {type(e).__name__}: {e}") from None
     _check_record(doc, path)
     return doc
 

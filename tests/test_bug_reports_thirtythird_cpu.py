@@ -4,12 +4,14 @@ was around them:
 
 - GB: the benchmark's records. load_record checked only that "results" was a list, so a corrupted or hand-edited
   baseline (a JSON file that parses) crashed the tables or the comparison with a traceback and exit status 1, the
-  status of a regression: a nightly gate read a broken baseline as slower kernels. Now every field the tables,
-  comparison and plots read is checked (ValueError naming the field: "cannot read", exit status 2), and every
-  attention record under benchmarks/ still loads.
-- GC: the benchmark's output paths. --json or --summary naming a folder (or a path under a file) failed after the
-  grid's first point (--json, leaving PATH.tmp beside it) or after the whole grid (--summary), with a traceback; now
-  refused when the arguments are parsed (exit status 2), as --plots naming a file is.
+  status of a regression: a nightly gate read a broken baseline as slower kernels. Now the fields the tables,
+  comparison and plots read are checked by type and range (ValueError naming the field), the tables, summary and a
+  self-comparison then run once on the record (any failure: the same ValueError), and main reports "cannot read" with
+  exit status 2; every attention record under benchmarks/ still loads.
+- GC: the benchmark's output paths. --json or --summary naming a folder (or a path under a file, or ending with a
+  separator) failed after the grid's first point (--json, leaving PATH.tmp beside it) or after the whole grid
+  (--summary), with a traceback, and so did --plots or --history naming a file; now refused when the arguments are
+  parsed (exit status 2).
 - GD: flash_attn_hopper.testing's helpers took what the references refuse: document_mask truncated float ids (0.2 and
   0.7 one document) and failed on a 1-D tensor with a bare IndexError; causal_mask / local_mask failed inside torch on
   a negative or float seqlen; the references took any truthy upcast (the string "no" upcast). Each now raises as
@@ -32,25 +34,41 @@ POINT = {"feature": "dense", "head_dim": 64, "causal": False, "seqlen": 1024}
 
 # ------------------------------------------------ GB: malformed records are unreadable input, never a regression
 
+PART = {"flops": 1e12, "tflops": {"ours": 500.0}}
 MALFORMED = {
     "result-not-an-object": {"results": [1]},
     "result-without-fields": {"results": [{}]},
     "meta-a-string": {"meta": "str", "results": []},
     "head-dim-a-string": {"results": [dict(POINT, head_dim="64")]},
+    "seqlen-0": {"results": [dict(POINT, seqlen=0)]},
     "causal-missing": {"results": [{"head_dim": 64, "seqlen": 1024}]},
+    "feature-null": {"results": [dict(POINT, feature=None)]},
+    "dtype-a-list": {"results": [dict(POINT, dtype=["bf16"], fwd=PART)]},
     "fwd-a-number": {"results": [dict(POINT, fwd=5)]},
+    "fwd-null": {"results": [dict(POINT, fwd=None)]},
+    "fwd-without-flops": {"results": [dict(POINT, fwd={"tflops": {"ours": 500.0}})]},
     "tflops-a-list": {"results": [dict(POINT, fwd={"flops": 1e12, "tflops": [1, 2]})]},
-    "tflops-a-string": {"results": [dict(POINT, fwd={"flops": 1e12, "tflops": {"ours": "x"}})]},
-    "ratio-a-bool": {"results": [dict(POINT, fwd={"flops": 1e12, "ratio": {"ours/cudnn": True}})]},
-    "stats-not-numbers": {"results": [dict(POINT, fwd={"flops": 1e12, "stats": {"ours": {"median": "1"}}})]},
+    "tflops-a-string": {"results": [dict(POINT, fwd=dict(PART, tflops={"ours": "x"}))]},
+    "tflops-past-float": {"results": [dict(POINT, fwd=dict(PART, tflops={"ours": 10 ** 400}))]},
+    "ratio-a-bool": {"results": [dict(POINT, fwd=dict(PART, ratio={"ours/cudnn": True}))]},
+    "stats-without-p80": {"results": [dict(POINT, fwd=dict(PART, stats={"ours": {"median": 1.0, "p20": 1.0}}))]},
+    "stats-p80-zero": {"results": [dict(POINT, fwd=dict(PART, stats={"ours": {"median": 1, "p20": 1, "p80": 0}}))]},
+    "maxdiff-a-string": {"results": [dict(POINT, fwd=dict(PART, check={"maxdiff_vs_cudnn": "big"}))]},
+    "adjacent-an-object": {"results": [dict(POINT, fwd=dict(PART, adjacent={"kind": "same"}))]},
+    "adjacent-without-kind": {"results": [dict(POINT, fwd=dict(PART, adjacent=[{"seqlen": 1024, "ratio": 1.0}]))]},
+    "sm-clock-a-string": {"meta": {"sm_clock_before": "fast"}, "results": []},
     "git-commit-a-number": {"meta": {"git_commit": 5}, "results": []},
     "not-json": None,
+    "nested-past-the-parser": "deep",
 }
 
 
 def _write(tmp_path, name, doc):
     path = tmp_path / f"{name}.json"
-    path.write_text("{not json" if doc is None else json.dumps(doc))
+    if doc == "deep":
+        path.write_text('{"results": ' + "[" * 100000 + "]" * 100000 + "}")
+    else:
+        path.write_text("{not json" if doc is None else json.dumps(doc))
     return str(path)
 
 
@@ -60,7 +78,7 @@ def test_malformed_records_are_unreadable_input(tmp_path, capsys, case):
     and the field named, never a traceback or the regression status 1."""
     bad = _write(tmp_path, case, MALFORMED[case])
     good = _write(tmp_path, "good", {"meta": {}, "results": []})
-    with pytest.raises(ValueError, match="not a benchmark record|not JSON"):
+    with pytest.raises(ValueError, match="not a benchmark record|not JSON that a benchmark record can be"):
         nb.load_record(bad)
     capsys.readouterr()
     assert nb.main(["--input", bad]) == 2
@@ -90,13 +108,18 @@ def test_every_attention_record_in_the_repository_still_loads():
 # ------------------------------------------------ GC: output paths checked when the arguments are parsed
 
 @pytest.mark.parametrize("flag,target", [("--json", "folder"), ("--summary", "folder"), ("--json", "under-file"),
-                                         ("--summary", "under-file"), ("--plots", "file")])
+                                         ("--summary", "under-file"), ("--json", "trailing-separator"),
+                                         ("--summary", "through-a-file"), ("--plots", "file"), ("--history", "file"),
+                                         ("--plots", "broken-link")])
 def test_output_paths_that_cannot_be_written_are_refused_at_parse_time(tmp_path, capsys, flag, target):
-    """GC: a folder where a file is written (or a file where a folder is), refused by parse_args (exit status 2, the
-    flag named) before any point is measured."""
+    """GC: a folder where a file is written (or a file where a folder is, a broken link for a folder), refused by
+    parse_args (exit status 2, the flag named) before any point is measured."""
     afile = tmp_path / "afile"
     afile.write_text("")
-    path = {"folder": str(tmp_path), "under-file": str(afile / "x.out"), "file": str(afile)}[target]
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    path = {"folder": str(tmp_path), "under-file": str(afile / "x.out"), "file": str(afile),
+            "trailing-separator": str(tmp_path / "new") + os.sep, "through-a-file": str(afile) + "/../x.md",
+            "broken-link": str(tmp_path / "dangling")}[target]
     with pytest.raises(SystemExit) as e:
         nb.parse_args([flag, path])
     assert e.value.code == 2
@@ -137,11 +160,14 @@ def test_masks_refuse_seqlens_that_are_not_ints_from_0(fn):
     assert fn(np.int64(2), 3).shape == (2, 3) and fn(0, 3).shape == (0, 3)
 
 
-@pytest.mark.parametrize("ref", ["attention_ref", "attention_ref_grads", "attention_bwd_ref"])
+@pytest.mark.parametrize("ref", ["attention_ref", "attention_ref_grads", "attention_bwd_ref", "attention_varlen_ref",
+                                 "attention_varlen_ref_grads"])
 def test_references_refuse_an_upcast_that_is_not_a_bool(ref):
     """GD: upcast="no" upcast (any truthy value did); a bool or numpy.bool_ is taken."""
     q = torch.randn(1, 3, 1, 8, generator=torch.Generator().manual_seed(33), dtype=torch.float64)
-    args = (q, q, q) if ref == "attention_ref" else (q, q, q, q)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    args = {"attention_ref": (q, q, q), "attention_varlen_ref": (q[0], q[0], q[0], cu, cu),
+            "attention_varlen_ref_grads": (q[0], q[0], q[0], q[0], cu, cu)}.get(ref, (q, q, q, q))
     fn = getattr(testing, ref)
     with pytest.raises(TypeError, match="upcast"):
         fn(*args, upcast="no")
