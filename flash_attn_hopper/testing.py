@@ -99,11 +99,10 @@ def local_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=No
     so that a reference is never computed under a rule the kernels do not have; TypeError / ValueError for a seqlen
     that is not an int >= 0 (torch's own errors named neither)."""
     for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        if isinstance(n, bool) or not isinstance(n, (numbers.Integral, torch.SymInt)):  # (SymInt: a traced shape)
             raise TypeError(f"{name} must be an int, got {type(n).__name__}")
         if n < 0:
             raise ValueError(f"{name} must be >= 0, got {n}")
-    seqlen_q, seqlen_k = int(seqlen_q), int(seqlen_k)
     left, right = _check_window(window_size, _check_causal(causal))
     i = torch.arange(seqlen_q, device=device).unsqueeze(1)
     j = torch.arange(seqlen_k, device=device).unsqueeze(0)
