@@ -652,6 +652,58 @@ def test_model_static_cache_raises(fah_tf, spy, allow_float32):
 
 
 @requires_transformers
+def test_compiled_model_keeps_the_static_cache_refusal(fah_tf, reference_kernel):
+    """Thirty-third round (GE): under torch.compile the mask function skipped its filled-length check (it needs the
+    offsets, host values), so a compiled forward with a StaticCache and no attention_mask attended the cache's 22
+    empty positions, silently (logits off by up to 0.58 against eager with the same cache), where the uncompiled one
+    raises. The trace now keeps the check where the offsets are plain ints (a StaticCache's prefill). Control: the
+    compiled model with the default DynamicCache runs and gives the uncompiled logits."""
+    from transformers import StaticCache
+
+    config = _tiny_config()
+    model = _model(config, NAME).eval()
+    ids = torch.randint(1, 97, (2, 10), generator=torch.Generator().manual_seed(33))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="StaticCache"):
+            compiled(ids, past_key_values=StaticCache(config=config, max_cache_len=32))
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@requires_transformers
+def test_compiled_model_keeps_the_refusal_of_masks_that_read_tensors(fah_tf, reference_kernel):
+    """Thirty-third round (GF): under torch.compile the mask function skipped its pattern check, so Gemma 3 with
+    image / token-type blocks (a mask that reads token_type_ids) ran plain causal / sliding attention, silently (the
+    logits of eager without the blocks, 0.47 off eager with them), where the uncompiled model raises. The trace now
+    refuses a mask whose closures hold tensors (nothing evaluated; the globals are not read there). Control: the
+    compiled model without token_type_ids runs and gives the uncompiled logits."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=128, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+                          boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration._from_config(config, attn_implementation=NAME, dtype=torch.float32).eval()
+    ids = torch.randint(1, 290, (2, 12), generator=torch.Generator().manual_seed(33))
+    token_type_ids = torch.zeros(2, 12, dtype=torch.long)
+    token_type_ids[:, 3:7] = 1
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="mask pattern"):
+            model(input_ids=ids, token_type_ids=token_type_ids, use_cache=False)
+        with pytest.raises(ValueError, match="mask pattern"):
+            compiled(input_ids=ids, token_type_ids=token_type_ids, use_cache=False)
+        torch.testing.assert_close(compiled(input_ids=ids, use_cache=False).logits,
+                                   model(input_ids=ids, use_cache=False).logits, rtol=0, atol=0)
+
+
+@requires_transformers
 def test_model_dropout_raises(fah_tf, spy, allow_float32):
     model = _model(_tiny_config(attention_dropout=0.1), NAME).train()
     with pytest.raises(ValueError, match="attention_dropout"):

@@ -520,7 +520,7 @@ def _check_band(module, sliding_window):
         )
 
 
-def _reads_tensors(obj, depth=0, seen=None):
+def _reads_tensors(obj, depth=0, seen=None, read_globals=True):
     """Whether a mask function reads tensors besides its index arguments: a tensor in a closure cell, a default value,
     a module global it names, a bound ``self`` or a partial's arguments, also of the functions it composes
     (``and_masks`` / ``or_masks`` keep them in a closure tuple). Such a mask depends on data, per batch row (image or
@@ -543,7 +543,8 @@ def _reads_tensors(obj, depth=0, seen=None):
         parts = [obj.__func__, obj.__self__]
     elif isinstance(obj, types.FunctionType):
         parts = [obj.__defaults__ or (), obj.__kwdefaults__ or {}]
-        parts += [v for v in (obj.__globals__.get(n) for n in obj.__code__.co_names) if isinstance(v, torch.Tensor)]
+        if read_globals:  # (torch.compile's trace cannot read a function's globals: _refuse_while_compiling)
+            parts += [v for v in (obj.__globals__.get(n) for n in obj.__code__.co_names) if isinstance(v, torch.Tensor)]
         for cell in obj.__closure__ or ():
             try:
                 parts.append(cell.cell_contents)
@@ -553,7 +554,7 @@ def _reads_tensors(obj, depth=0, seen=None):
         parts = list(vars(obj).values())
     else:
         return False
-    return any(_reads_tensors(part, depth + 1, seen) for part in parts)
+    return any(_reads_tensors(part, depth + 1, seen, read_globals) for part in parts)
 
 
 def _mask_values(mask_function, q, kv):
@@ -634,6 +635,40 @@ _BIDIRECTIONAL_WINDOWS = _IdentityNotes()
 _PER_FORWARD_MASKS = _IdentityNotes()
 
 
+def _pattern_refusal(mask_function):
+    return ("flash_attn_hopper attention supports plain causal, bidirectional and sliding-window (causal or "
+            "bidirectional) masks only; this model call needs the mask pattern "
+            f"{getattr(mask_function, '__name__', mask_function)!r}: a chunked pattern or a custom mask function, or "
+            "one that reads tensors (image or token-type blocks) (packed sequences and sliding windows are fine); use "
+            "attn_implementation='sdpa' for this model.")
+
+
+def _check_filled(kv_length, filled):
+    if kv_length != filled:
+        raise ValueError(
+            f"flash_attn_hopper attention: the cache returns {kv_length} key/value positions but only {filled} are "
+            "filled (a StaticCache or other preallocated cache); without an attention_mask the empty positions would "
+            "be attended. Use a DynamicCache, or attn_implementation='sdpa'."
+        )
+
+
+def _refuse_while_compiling(mask_function, q_length, kv_length, q_offset, kv_offset, attention_mask):
+    """flash_attn_hopper_mask's refusals that need no host value, kept while torch.compile traces (skipping them there
+    let a compiled model run, silently, what its eager forward refuses): a mask that reads tensors (Gemma 3's image
+    blocks, PaliGemma's prefix: ``_reads_tensors`` inspects the function's closures, evaluating nothing; the trace
+    cannot read its globals), and, for a causal mask
+    without an attention_mask, a cache with empty positions where the offsets are plain ints (a StaticCache's prefill
+    or a call with its offsets given as ints). What needs the mask's values (sample indices: chunked or other custom
+    patterns of plain indices) or a tensor offset stays unchecked here (docs/transformers.md)."""
+    pattern = _without_packed_overlay(mask_function)
+    if (pattern is not causal_mask_function and pattern is not bidirectional_mask_function
+            and _reads_tensors(pattern, read_globals=False)):
+        raise ValueError(_pattern_refusal(pattern))
+    if (pattern is causal_mask_function and attention_mask is None and isinstance(q_offset, int)
+            and isinstance(kv_offset, int) and isinstance(kv_length, int) and isinstance(q_length, int)):
+        _check_filled(kv_length, q_offset + q_length - kv_offset)
+
+
 def flash_attn_hopper_mask(
     batch_size,
     q_length,
@@ -653,9 +688,8 @@ def flash_attn_hopper_mask(
     ``config`` passed, which the attention function checks its layers' windows against) without padding (``attention_mask`` None or all ones), so the attention function runs the kernel's own masking;
     otherwise returns the 2D boolean padding mask ``(batch, kv_length)``, with which
     ``flash_attn_hopper_attention_forward`` runs the batch through the variable-length kernel. Same
-    as transformers' ``flash_attention_mask``, plus two checks, skipped while torch.compile traces (the first because
-    transformers composes a packed-sequence mask with every mask while tracing, the second because it needs a host
-    value):
+    as transformers' ``flash_attention_mask``, plus two checks, of which torch.compile's trace keeps the parts that need
+    no host value (``_refuse_while_compiling``):
 
     Packed sequences: ``register()`` keeps transformers from looking for them for this name (the attention layers
     take them from position_ids on the device); should its ``packed_sequence_mask_function`` overlay still arrive (a
@@ -673,7 +707,9 @@ def flash_attn_hopper_mask(
         RuntimeError: an attention_mask under torch.jit.trace (its padding is read on the host, which a trace would
             keep for every replay).
     """
-    if not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        _refuse_while_compiling(mask_function, q_length, kv_length, q_offset, kv_offset, attention_mask)
+    else:
         # Packed sequences: the attention layers apply them (document_ids from position_ids), so only the pattern
         # under a packing overlay must be one the kernel computes.
         mask_function = _without_packed_overlay(mask_function)
@@ -683,13 +719,7 @@ def flash_attn_hopper_mask(
         sliding_bidirectional = half_width is not None
         if (mask_function is not causal_mask_function and not sliding and not sliding_bidirectional
                 and not _is_everywhere(mask_function)):
-            raise ValueError(
-                "flash_attn_hopper attention supports plain causal, bidirectional and sliding-window (causal or "
-                "bidirectional) masks only; this model call needs the mask pattern "
-                f"{getattr(mask_function, '__name__', mask_function)!r}: a chunked pattern or a custom mask function, "
-                "or one that reads tensors (image or token-type blocks) (packed sequences and sliding windows are "
-                "fine); use attn_implementation='sdpa' for this model."
-            )
+            raise ValueError(_pattern_refusal(mask_function))
         if sliding_bidirectional:
             # The kernel aligns a window bottom-right: the queries must be the last positions of the keys.
             if int(q_offset) + q_length != int(kv_offset) + kv_length:
@@ -701,13 +731,7 @@ def flash_attn_hopper_mask(
             if kwargs.get("config") is not None:
                 _BIDIRECTIONAL_WINDOWS.put(kwargs["config"], half_width)
         if (mask_function is causal_mask_function or sliding) and attention_mask is None:
-            filled = int(q_offset) + q_length - int(kv_offset)
-            if kv_length != filled:
-                raise ValueError(
-                    f"flash_attn_hopper attention: the cache returns {kv_length} key/value positions but only {filled} "
-                    "are filled (a StaticCache or other preallocated cache); without an attention_mask the empty "
-                    "positions would be attended. Use a DynamicCache, or attn_implementation='sdpa'."
-                )
+            _check_filled(kv_length, int(q_offset) + q_length - int(kv_offset))
     if attention_mask is not None and _tracing_outside_dynamo():
         # transformers drops an all-ones mask by a host read, and a trace would keep that as "no padding" for every
         # replay (as it would keep the lengths of one with padding: _unpadding refuses those by the same message)
