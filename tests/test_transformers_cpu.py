@@ -704,6 +704,28 @@ def test_compiled_model_keeps_the_refusal_of_masks_that_read_tensors(fah_tf, ref
 
 
 @requires_transformers
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_mask_accepts_the_packed_sequence_overlay(fah_tf, fullgraph):
+    """GF's check under torch.compile must not refuse what eager accepts: a causal mask composed with transformers'
+    packed-sequence overlay (which holds a tensor) is the causal mask for this integration (the layers apply the
+    documents). While dynamo traces, a nested function's __qualname__ reads as "", so the overlay is recognised by
+    its code's qualified name too (found by the fix's review)."""
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function
+
+    packed = torch.tensor([[0] * 6 + [1] * 6] * 2)
+
+    def build(x, packed):
+        mask_function = and_masks(causal_mask_function, packed_sequence_mask_function(packed))
+        mask = fah_tf.flash_attn_hopper_mask(batch_size=2, q_length=12, kv_length=12, mask_function=mask_function,
+                                             attention_mask=None)
+        return x + 1 if mask is None else x + mask.sum()
+
+    torch._dynamo.reset()
+    assert build(torch.zeros(1), packed).item() == 1.0  # eager: plain causal, no mask
+    assert torch.compile(build, backend="eager", fullgraph=fullgraph)(torch.zeros(1), packed).item() == 1.0
+
+
+@requires_transformers
 def test_model_dropout_raises(fah_tf, spy, allow_float32):
     model = _model(_tiny_config(attention_dropout=0.1), NAME).train()
     with pytest.raises(ValueError, match="attention_dropout"):

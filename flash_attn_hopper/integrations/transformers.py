@@ -481,7 +481,9 @@ def _without_packed_overlay(mask_function):
     if len(parts) != 1 or len(parts[0]) != 2:
         return mask_function
     pattern, overlay = parts[0]
-    if getattr(overlay, "__qualname__", "") != "packed_sequence_mask_function.<locals>.inner_mask":
+    # (__code__.co_qualname too: while torch.compile traces, a nested function's __qualname__ reads as "")
+    names = (getattr(overlay, "__qualname__", ""), getattr(getattr(overlay, "__code__", None), "co_qualname", ""))
+    if "packed_sequence_mask_function.<locals>.inner_mask" not in names:
         return mask_function
     return pattern
 
