@@ -658,10 +658,10 @@ def _refuse_while_compiling(mask_function, q_length, kv_length, q_offset, kv_off
     """flash_attn_hopper_mask's refusals that need no host value, kept while torch.compile traces (skipping them there
     let a compiled model run, silently, what its eager forward refuses): a mask that reads tensors (Gemma 3's image
     blocks, PaliGemma's prefix: ``_reads_tensors`` inspects the function's closures, evaluating nothing; the trace
-    cannot read its globals), and, for a causal mask
-    without an attention_mask, a cache with empty positions where the offsets are plain ints (a StaticCache's prefill
-    or a call with its offsets given as ints). What needs the mask's values (sample indices: chunked or other custom
-    patterns of plain indices) or a tensor offset stays unchecked here (docs/transformers.md)."""
+    cannot read its globals), and, for a causal mask without an attention_mask, a cache with empty positions where
+    the offsets are plain ints (a StaticCache's prefill or a call with its offsets given as ints). What needs the
+    mask's values (sample indices: chunked or other custom patterns of plain indices) or a tensor offset stays
+    unchecked here (docs/transformers.md)."""
     pattern = _without_packed_overlay(mask_function)
     if (pattern is not causal_mask_function and pattern is not bidirectional_mask_function
             and _reads_tensors(pattern, read_globals=False)):
