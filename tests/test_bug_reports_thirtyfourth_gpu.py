@@ -10,8 +10,8 @@ seqlen_q - seqlen_k rows), flashinfer-ai/flashinfer#4972 (a finite left side, un
 first query tile attended keys left of its window), flashinfer-ai/flashinfer#4873 (review: an unbounded side read as
 0 when sizing the key range), Dao-AILab/flash-attention#2574 and #2624 (a side of 0 taken as unbounded by `or`).
 Each side runs through seqlen_k - 1, seqlen_k, seqlen_k + 1, the first value that leaves no row empty, seqlen_q - 2,
-seqlen_q - 1, seqlen_q and seqlen_q + 1 (and the mirror), dense at head_dim 64 (192-row tiles) and 256 (64-key
-blocks), and through attention_varlen, where the maxima (max_seqlen_q / max_seqlen_k) are not any one sequence's
+seqlen_q - 1, seqlen_q and seqlen_q + 1 (and the mirror), dense at head_dim 64 (128-row tiles at these sizes) and 256
+(64-key blocks), and through attention_varlen, where the maxima (max_seqlen_q / max_seqlen_k) are not any one sequence's
 lengths; zero sides with seqlen_q != seqlen_k. Checked: out, LSE, dQ, dK, dV by the rule; rows that see no key exactly
 as the window rule says (LSE -inf, out and dQ exactly 0); keys no row sees get dK = dV = 0 exactly.
 
@@ -128,9 +128,7 @@ GG_ZERO = [(300, 300, (0, -1)), (200, 500, (0, -1)), (500, 200, (0, -1)), (500, 
 def test_zero_window_side_is_a_bound(seqlen_q, seqlen_k, window):
     """A side of 0 bounds the window at the diagonal (FA #2574 / #2624 read 0 as unbounded through `or`), without
     causal=True, with seqlen_q != seqlen_k on either side: the rule's rows and keys exactly, by the rule."""
-    empty, _ = _run_window_case(128, seqlen_q, seqlen_k, window, f"{seqlen_q}x{seqlen_k} window {window}")
-    if window == (0, 37) and empty == 0:
-        raise AssertionError("premise: (0, 37) at 500 x 200 leaves the first rows without keys")
+    _run_window_case(128, seqlen_q, seqlen_k, window, f"{seqlen_q}x{seqlen_k} window {window}")
 
 
 # The maxima are not one sequence's lengths: A's max_seqlen_q 300 comes from sequence 0 (100 keys), max_seqlen_k 120
