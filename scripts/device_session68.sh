@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Session 68's one device call (most of the session's device time went to machines that did not start or were taken
+# back), on pack FIN2 (the head's kernels: FIN's main kernels, tested in full in session 67, plus the exact pass in
+# natural units and the backward preprocess's NaN for an LSE past the log2 range): the SASS / HGMMA check; on an H200
+# the grid first (its README figures are session 63's); then the files that exercise what FIN2 adds and round 34;
+# then as much of the parallel phase as the budget leaves. Worst case ~560 s.
+#   carry [".prebuilt/pack/fin2.tar.xz", ".whl"]; OUT as the device gives it; BUDGET (default 555).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/s68}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-555}
+T0=$(date +%s); el() { echo "+$(( $(date +%s) - T0 ))s"; }
+left() { echo $(( BUDGET - ($(date +%s) - T0) - ${1:-0} )); }
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+echo "gpu: $GPU; nproc $(nproc)"
+PREBUILT=FIN2 PACK=fin2 PHASES=none BUDGET=300 OUT="$OUT/check" bash scripts/device_check_parallel.sh \
+  > "$OUT/check.txt" 2>&1
+echo "sass $(el): $(grep -m1 'HGMMA check' "$OUT/check.txt");" \
+  "$(grep -m1 -o 'spills: [0-9]* kernel(s) spill' "$OUT/check.txt")"
+export FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/FIN2/build.log
+if [[ $GPU == *H200* ]]; then
+  timeout 160 python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both \
+    --features dense,gqa,varlen,window,softcap,deterministic --no-bar \
+    --json "$OUT/grid_S68.json" --summary "$OUT/grid_S68_summary.md" > "$OUT/grid.log" 2>&1
+  echo "grid rc $? $(el)"
+  timeout 55 python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both --dtype fp16 \
+    --features dense --no-bar --json "$OUT/grid_S68_fp16.json" --summary "$OUT/grid_S68_fp16_summary.md" \
+    > "$OUT/grid_fp16.log" 2>&1
+  echo "grid fp16 rc $? $(el)"
+  nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/smi_after_grid.txt"
+fi
+FIRST="tests/test_bug_reports_thirtyfourth_gpu.py tests/test_bug_reports_thirtysecond_gpu.py tests/test_bwd_gpu.py
+       tests/test_deterministic_gpu.py tests/test_transformers_gpu.py tests/test_bug_reports_fifth_gpu.py"
+timeout -s INT -k 10 "$(left 20)" python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadfile $FIRST \
+  --junitxml="$OUT/j_first.xml" > "$OUT/first.log" 2>&1
+echo "first files rc $? $(el): $(tail -n 1 "$OUT/first.log")"; grep -E "^(FAILED|ERROR)" "$OUT/first.log" | head -30
+if (( $(left) > 120 )); then
+  ign="--ignore-glob=tests/*_cpu.py"; for f in $FIRST; do ign+=" --ignore=$f"; done  # CI runs the CPU files
+  PYTEST_ADDOPTS="$ign" SKIP_BUILD=1 PHASES=parallel BUDGET=$(left 5) OUT="$OUT/rest" \
+    bash scripts/device_check_parallel.sh > "$OUT/rest.txt" 2>&1
+  echo "rest rc $? $(el)"; tail -n 12 "$OUT/rest/summary.txt" 2>/dev/null
+fi
+nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv > "$OUT/smi.txt" 2>/dev/null
+echo "done $(el)"
