@@ -50,7 +50,7 @@ test_head_dim_64_tile_heights_give_the_same_bits: head_dim 64's two tile heights
 test_scores_past_the_log2_range_follow_the_reference: bf16 scores that overflow once scaled to log2 units (NaN in
 every call since 98ccfd5, which passed on an H100 in session 67; right by the rule since session 67's exact pass in
 natural units, which passed there too). test_gradients_past_the_log2_range_are_nan_never_zero: the backward of such a
-row, NaN where it was silently 0 (session 67; not yet run on a GPU).
+row, NaN where it was silently 0 (session 67; passed on an H100 in session 68).
 What ran (session 66, an H100; benchmarks/results/2026-12-07_session66/): on 0061d2a's kernels the first 11 passed and
 the exact-pass cases failed (row 'band +' alone: 125 / 102 elements of out differ); on 73e371d's kernels all 13
 passed; the fixed-maximum case also failed, as predicted, on the kernels before 0061d2a; the tile-height case passed
@@ -558,7 +558,7 @@ def test_gradients_past_the_log2_range_are_nan_never_zero():
     log2 e), where both products overflow: LSE * log2 e = +inf is the mark of a row with no key, so until session 67
     the row's dQ came out 0 and it added nothing to dK, dV, silently (session 67's review). The backward's
     preprocess now writes NaN there (csrc/flash/bwd/prepost_bwd_sm90.hpp): a known deviation (the float32 reference's
-    gradients are finite), never a silent zero. Written in session 67, not yet run on a GPU."""
+    gradients are finite), never a silent zero. Written in session 67, passed on an H100 in session 68."""
     require_built(128, BF16)
     q, k, v = _overflow_case()
     i = list(GA_OVERFLOW_ROWS).index("overflow +")
