@@ -100,6 +100,18 @@ def _run_window_case(head_dim, seqlen_q, seqlen_k, window, name):
     return _check_visibility_dense(out, lse, grads, seqlen_q, seqlen_k, window, name)
 
 
+def _run_varlen(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, **opts):
+    """(out, lse, (dq, dk, dv)) of attention_varlen on leaves that require grad, memory poisoned before each pass (the
+    varlen twin of gpu_helpers.run_attention)."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    gpu_helpers.poison_attention_memory(q, v, cu_q)
+    out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                  return_lse=True, **opts)
+    gpu_helpers.poison_attention_memory(q, v, cu_q)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return out.detach(), lse.detach(), grads
+
+
 # ----------------------------------------------------------- GG: window sides between the lengths and at thresholds
 
 # seqlen_q 300 > seqlen_k 100: row i sees keys j <= i - 200 + right. Right 99 / 100 / 101: around seqlen_k (FA #895's
@@ -154,14 +166,9 @@ def test_window_side_between_the_two_maxima_varlen(lengths, window):
     k = randn(sum(lk), NHEADS_K, head_dim, dtype=dtype)
     v = randn(sum(lk), NHEADS_K, head_dim, dtype=dtype)
     dout = randn(sum(lq), NHEADS, head_dim, dtype=dtype)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max(lq), max(lk), window_size=window,
-                                                  return_lse=True)
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    grads = torch.autograd.grad(out, leaves, dout)
+    out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, lq, lk, window_size=window)
     name = f"varlen {lengths} window {window}"
-    check_attention_varlen(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k, name, window_size=window)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, window_size=window)
     for b, (sq, sk) in enumerate(zip(lq, lk)):
         q0, k0 = sum(lq[:b]), sum(lk[:b])
         visible = local_mask(sq, sk, window, device=q.device)
@@ -270,21 +277,12 @@ def test_varlen_dq_workspace_offsets_at_each_backward_block_height(head_dim, mod
     k = randn(sum(GI_K), NHEADS_K, head_dim, dtype=dtype)
     v = randn(sum(GI_K), NHEADS_K, head_dim, dtype=dtype)
     dout = randn(sum(GI_Q), NHEADS, head_dim, dtype=dtype)
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max(GI_Q), max(GI_K), return_lse=True,
-                                                  **call_opts)
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    grads = torch.autograd.grad(out, leaves, dout)
+    out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, GI_Q, GI_K, **call_opts)
     if call_opts.get("deterministic"):
-        leaves2 = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        out2 = flash_attn_hopper.attention_varlen(*leaves2, cu_q, cu_k, max(GI_Q), max(GI_K), **call_opts)
-        gpu_helpers.poison_attention_memory(q, v, cu_q)
-        grads2 = torch.autograd.grad(out2, leaves2, dout)
+        _, _, grads2 = _run_varlen(q, k, v, dout, cu_q, cu_k, GI_Q, GI_K, **call_opts)
         for gname, a, b in zip(gpu_helpers.GRAD_NAMES, grads, grads2):
             assert_same_bits(a, b, f"deterministic {gname}", " (two deterministic backwards differ)")
-    check_attention_varlen(out.detach(), lse.detach(), grads, q, k, v, dout, cu_q, cu_k,
-                           f"varlen d{head_dim} {mode}", **ref_opts)
+    check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, f"varlen d{head_dim} {mode}", **ref_opts)
 
 
 # ------------------------------------------------------------------------------ GJ: K and V from KV-cache slices
@@ -368,15 +366,10 @@ def test_varlen_over_a_kv_pool_slice(layout):
     q = randn(sum(lq), NHEADS, head_dim, dtype=dtype)
     dout = randn(sum(lq), NHEADS, head_dim, dtype=dtype)
     before = [bits(p) for p in pools]
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max(lq), max(lk), causal=True,
-                                                  return_lse=True)
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    grads = torch.autograd.grad(out, leaves, dout)
+    out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, lq, lk, causal=True)
     torch.cuda.synchronize()
     for p, saved in zip(pools, before):
         if not torch.equal(bits(p), saved):
             raise AssertionError(f"{layout}: the pool changed")
-    check_attention_varlen(out.detach(), lse.detach(), grads, q, k.contiguous(), v.contiguous(), dout, cu_q, cu_k,
+    check_attention_varlen(out, lse, grads, q, k.contiguous(), v.contiguous(), dout, cu_q, cu_k,
                            f"pool {layout}", causal=True)
