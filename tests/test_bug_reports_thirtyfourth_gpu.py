@@ -112,6 +112,18 @@ def _run_varlen(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, **opts):
     return out.detach(), lse.detach(), grads
 
 
+def _varlen_case(lengths_q, lengths_k, head_dim, **opts):
+    """Gaussian (q, k, v, dout, cu_q, cu_k) for these lengths, GQA NHEADS / NHEADS_K, and _run_varlen's results."""
+    dtype = built_dtype(head_dim)
+    cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
+    q = randn(sum(lengths_q), NHEADS, head_dim, dtype=dtype)
+    k = randn(sum(lengths_k), NHEADS_K, head_dim, dtype=dtype)
+    v = randn(sum(lengths_k), NHEADS_K, head_dim, dtype=dtype)
+    dout = randn(sum(lengths_q), NHEADS, head_dim, dtype=dtype)
+    inputs = (q, k, v, dout, cu_q, cu_k)
+    return inputs, _run_varlen(*inputs, lengths_q, lengths_k, **opts)
+
+
 # ----------------------------------------------------------- GG: window sides between the lengths and at thresholds
 
 # seqlen_q 300 > seqlen_k 100: row i sees keys j <= i - 200 + right. Right 99 / 100 / 101: around seqlen_k (FA #895's
@@ -158,15 +170,8 @@ def test_window_side_between_the_two_maxima_varlen(lengths, window):
     """attention_varlen with a window side between max_seqlen_k and max_seqlen_q (FA #895 reset a right side above
     max_seqlen_k to unbounded) or the mirror: each sequence's rows and keys exactly as the rule says for its own
     lengths; out, LSE, dQ, dK, dV by the rule per sequence."""
-    head_dim = 128
-    dtype = built_dtype(head_dim)
     lq, lk = GG_VARLEN_LENGTHS[lengths]
-    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-    q = randn(sum(lq), NHEADS, head_dim, dtype=dtype)
-    k = randn(sum(lk), NHEADS_K, head_dim, dtype=dtype)
-    v = randn(sum(lk), NHEADS_K, head_dim, dtype=dtype)
-    dout = randn(sum(lq), NHEADS, head_dim, dtype=dtype)
-    out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, lq, lk, window_size=window)
+    (q, k, v, dout, cu_q, cu_k), (out, lse, grads) = _varlen_case(lq, lk, 128, window_size=window)
     name = f"varlen {lengths} window {window}"
     check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, window_size=window)
     for b, (sq, sk) in enumerate(zip(lq, lk)):
@@ -270,16 +275,11 @@ def test_varlen_dq_workspace_offsets_at_each_backward_block_height(head_dim, mod
     """48 sequences at 64 / 128 multiples +-1 (and 1, 0), GQA 4/2: each sequence's dQ accumulator rows start on its own
     128-row tile while the backward's query blocks are 128 (head_dim 64) or 64 rows (128, 256); out, LSE, dQ, dK, dV
     by the rule per sequence, rows that see no key exactly 0, from NaN-poisoned memory."""
-    dtype = built_dtype(head_dim)
     call_opts, ref_opts = GI_MODES[mode]
-    cu_q, cu_k = cu_seqlens(GI_Q), cu_seqlens(GI_K)
-    q = randn(sum(GI_Q), NHEADS, head_dim, dtype=dtype)
-    k = randn(sum(GI_K), NHEADS_K, head_dim, dtype=dtype)
-    v = randn(sum(GI_K), NHEADS_K, head_dim, dtype=dtype)
-    dout = randn(sum(GI_Q), NHEADS, head_dim, dtype=dtype)
-    out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, GI_Q, GI_K, **call_opts)
+    inputs, (out, lse, grads) = _varlen_case(GI_Q, GI_K, head_dim, **call_opts)
+    q, k, v, dout, cu_q, cu_k = inputs
     if call_opts.get("deterministic"):
-        _, _, grads2 = _run_varlen(q, k, v, dout, cu_q, cu_k, GI_Q, GI_K, **call_opts)
+        _, _, grads2 = _run_varlen(*inputs, GI_Q, GI_K, **call_opts)
         for gname, a, b in zip(gpu_helpers.GRAD_NAMES, grads, grads2):
             assert_same_bits(a, b, f"deterministic {gname}", " (two deterministic backwards differ)")
     check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, f"varlen d{head_dim} {mode}", **ref_opts)
