@@ -95,7 +95,7 @@ def _int_list(text):
                 raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected a comma-separated list of integers")
-    return values
+    return list(dict.fromkeys(values))  # a repeated value would time its points twice
 
 
 def _choice_list(choices):
@@ -104,7 +104,7 @@ def _choice_list(choices):
         bad = [v for v in values if v not in choices]
         if bad or not values:
             raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(choices)}")
-        return values
+        return list(dict.fromkeys(values))
 
     return parse
 

@@ -56,6 +56,13 @@ def _part(ours, cudnn, fa2, flag=False):
     return {"tflops": tflops, "ratio": ratio, "check": {"maxdiff_vs_cudnn": 1.5e-2, "flag": flag}, "errors": {}}
 
 
+def test_repeated_list_values_are_measured_once(bench):
+    """--head-dims 64,64 or --seqlens 1024,1024 timed each point twice (thirty-third round, found but not changed)."""
+    args = bench.parse_args(["--head-dims", "128,64,128", "--seqlens", "1024 1024,512", "--backends", "ours,OURS,fa2",
+                             "--json", "x.json"])
+    assert args.head_dims == [128, 64] and args.seqlens == [1024, 512] and args.backends == ["ours", "fa2"]
+
+
 def test_table_has_a_column_group_per_direction(bench):
     rec = {"head_dim": 128, "causal": False, "seqlen": 16384}
     both = dict(rec, fwd=_part(500.0, 600.0, 340.0), bwd=_part(350.0, 532.0, None, flag=True))
