@@ -59,8 +59,9 @@ def _part(ours, cudnn, fa2, flag=False):
 def test_repeated_list_values_are_measured_once(bench):
     """--head-dims 64,64 or --seqlens 1024,1024 timed each point twice (thirty-third round, found but not changed)."""
     args = bench.parse_args(["--head-dims", "128,64,128", "--seqlens", "1024 1024,512", "--backends", "ours,OURS,fa2",
-                             "--json", "x.json"])
+                             "--features", "dense,gqa,dense", "--json", "x.json"])
     assert args.head_dims == [128, 64] and args.seqlens == [1024, 512] and args.backends == ["ours", "fa2"]
+    assert args.features == ["dense", "gqa"]
 
 
 def test_table_has_a_column_group_per_direction(bench):

@@ -88,7 +88,6 @@ def _check_visibility_dense(out, lse, grads, seqlen_q, seqlen_k, window, name):
     if unseen_keys.any():
         _assert_zero(grads[1][:, unseen_keys], f"{name}: dk of keys no row sees")
         _assert_zero(grads[2][:, unseen_keys], f"{name}: dv of keys no row sees")
-    return int(empty_rows.sum()), int(unseen_keys.sum())
 
 
 def _run_window_case(head_dim, seqlen_q, seqlen_k, window, name):
@@ -97,7 +96,7 @@ def _run_window_case(head_dim, seqlen_q, seqlen_k, window, name):
     opts = dict(window_size=window)
     out, lse, grads = run_attention(q, k, v, dout, **opts)
     check_attention(out, lse, grads, q, k, v, dout, name, **opts)
-    return _check_visibility_dense(out, lse, grads, seqlen_q, seqlen_k, window, name)
+    _check_visibility_dense(out, lse, grads, seqlen_q, seqlen_k, window, name)
 
 
 def _run_varlen(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, **opts):
@@ -165,7 +164,10 @@ GG_VARLEN = ([("A", (-1, r)) for r in (120, 121, 150, 299, 301)]
              + [("B", (left, -1)) for left in (99, 100, 101, 350, 401)])
 
 
-@pytest.mark.parametrize("lengths,window", GG_VARLEN, ids=[f"{n}-w{w[0]}_{w[1]}" for n, w in GG_VARLEN])
+GG_VARLEN_IDS = [f"{n}-w{w[0]}_{w[1]}" for n, w in GG_VARLEN]
+
+
+@pytest.mark.parametrize("lengths,window", GG_VARLEN, ids=GG_VARLEN_IDS)
 def test_window_side_between_the_two_maxima_varlen(lengths, window):
     """attention_varlen with a window side between max_seqlen_k and max_seqlen_q (FA #895 reset a right side above
     max_seqlen_k to unbounded) or the mirror: each sequence's rows and keys exactly as the rule says for its own
@@ -174,16 +176,11 @@ def test_window_side_between_the_two_maxima_varlen(lengths, window):
     (q, k, v, dout, cu_q, cu_k), (out, lse, grads) = _varlen_case(lq, lk, 128, window_size=window)
     name = f"varlen {lengths} window {window}"
     check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, window_size=window)
-    for b, (sq, sk) in enumerate(zip(lq, lk)):
-        q0, k0 = sum(lq[:b]), sum(lk[:b])
-        visible = local_mask(sq, sk, window, device=q.device)
-        empty_rows, unseen_keys = ~visible.any(dim=1), ~visible.any(dim=0)
-        got = torch.isneginf(lse[:, q0:q0 + sq])
-        if not torch.equal(got, empty_rows.view(1, -1).expand_as(got)):
-            raise AssertionError(f"{name}: sequence {b}'s rows with LSE -inf differ from the window rule")
-        if sk > 0 and unseen_keys.any():
-            _assert_zero(grads[1][k0:k0 + sk][unseen_keys], f"{name}: sequence {b} dk of keys no row sees")
-            _assert_zero(grads[2][k0:k0 + sk][unseen_keys], f"{name}: sequence {b} dv of keys no row sees")
+    for b, (sq, sk) in enumerate(zip(lq, lk)):  # each sequence as a batch of one
+        rows, keys = slice(sum(lq[:b]), sum(lq[:b + 1])), slice(sum(lk[:b]), sum(lk[:b + 1]))
+        one = [t[idx].unsqueeze(0) for t, idx in zip(grads, (rows, keys, keys))]
+        _check_visibility_dense(out[rows].unsqueeze(0), lse[:, rows].unsqueeze(0), one, sq, sk, window,
+                                f"{name}: sequence {b}")
 
 
 # ----------------------------------------------------------- GH: GQA / MQA forward bits equal MHA over repeated K/V
@@ -207,28 +204,33 @@ def _repeat_heads(t, group):
     return t.repeat_interleave(group, dim=-2).contiguous()
 
 
+def _check_gqa_against_mha(call, ref, q, k, v, name, cu_q=None):
+    """call(q, k, v) -> (out, lse) under test, ref(q, k, v, upcast=...) -> the reference's: the GQA call's out and
+    LSE are the bits of the MHA call over K, V repeated per query head, and right by the rule."""
+    group = q.shape[-2] // k.shape[-2]
+    gpu_helpers.poison_attention_memory(q, v, cu_q)
+    out, lse = call(q, k, v)
+    gpu_helpers.poison_attention_memory(q, v, cu_q)
+    out_mha, lse_mha = call(q, _repeat_heads(k, group), _repeat_heads(v, group))
+    why = " (the GQA forward computes a row differently from the MHA forward over the same keys)"
+    assert_same_bits(out, out_mha, f"{name} out", why)
+    assert_same_bits(lse, lse_mha, f"{name} lse", why)
+    (ref_out, ref_lse), (naive, naive_lse) = ref(q, k, v, upcast=True), ref(q, k, v, upcast=False)
+    assert_close_by_rule(out, ref_out, naive, f"{name} out")
+    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
+
+
 @pytest.mark.parametrize("case", GH_DENSE, ids=[c[0] for c in GH_DENSE])
 def test_gqa_forward_bits_equal_mha_over_repeated_kv(case):
     """out and LSE of the GQA / MQA call are the bits of the MHA call over K, V repeated per query head, and right by
     the rule: no query-head packing (or none that changes a row's mask, key range or sums)."""
     name, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, head_dim_v, opts = case
     dtype = built_dtype(max(head_dim, head_dim_v))  # (the pair runs on the kernels of the larger)
-    group = nheads // nheads_k
     q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
     k = randn(batch, seqlen_k, nheads_k, head_dim, dtype=dtype)
     v = randn(batch, seqlen_k, nheads_k, head_dim_v, dtype=dtype)
-    gpu_helpers.poison_attention_memory(q, v)
-    out, lse = flash_attn_hopper.attention(q, k, v, return_lse=True, **opts)
-    gpu_helpers.poison_attention_memory(q, v)
-    out_mha, lse_mha = flash_attn_hopper.attention(q, _repeat_heads(k, group), _repeat_heads(v, group),
-                                                   return_lse=True, **opts)
-    why = " (the GQA forward computes a row differently from the MHA forward over the same keys)"
-    assert_same_bits(out, out_mha, f"{name} out", why)
-    assert_same_bits(lse, lse_mha, f"{name} lse", why)
-    ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
-    naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
-    assert_close_by_rule(out, ref, naive, f"{name} out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, f"{name} lse")
+    _check_gqa_against_mha(lambda *qkv: flash_attn_hopper.attention(*qkv, return_lse=True, **opts),
+                           lambda *qkv, upcast: attention_ref(*qkv, upcast=upcast, **opts), q, k, v, name)
 
 
 GH_VARLEN = [("causal", dict(causal=True)), ("window", dict(window_size=(64, 16))), ("softcap", dict(softcap=15.0))]
@@ -247,18 +249,9 @@ def test_gqa_forward_bits_equal_mha_over_repeated_kv_varlen(opts):
     k = randn(sum(lk), nheads_k, head_dim, dtype=dtype)
     v = randn(sum(lk), nheads_k, head_dim, dtype=dtype)
     args = (cu_q, cu_k, max(lq), max(lk))
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    out, lse = flash_attn_hopper.attention_varlen(q, k, v, *args, return_lse=True, **opts)
-    group = nheads // nheads_k
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    out_mha, lse_mha = flash_attn_hopper.attention_varlen(q, _repeat_heads(k, group), _repeat_heads(v, group), *args,
-                                                          return_lse=True, **opts)
-    assert_same_bits(out, out_mha, "varlen out", " (GQA and MHA forwards differ)")
-    assert_same_bits(lse, lse_mha, "varlen lse", " (GQA and MHA forwards differ)")
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
-    naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
-    assert_close_by_rule(out, ref, naive, "varlen out")
-    assert_close_by_rule(lse, ref_lse, naive_lse, "varlen lse")
+    _check_gqa_against_mha(lambda *qkv: flash_attn_hopper.attention_varlen(*qkv, *args, return_lse=True, **opts),
+                           lambda *qkv, upcast: attention_varlen_ref(*qkv, cu_q, cu_k, upcast=upcast, **opts),
+                           q, k, v, "varlen", cu_q)
 
 
 # ------------------------------------------------- GI: varlen dQ workspace offsets at each backward block height
