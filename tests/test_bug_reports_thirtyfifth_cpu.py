@@ -53,8 +53,12 @@ def test_gm_dtype_views_share_layout_and_have_distinct_keys():
     assert all(torch.isnan(t).all() for t in views), "the raw buffer's -1 must be NaN in both dtypes"
     sig = [interface._call_signature(t, t, t, None, True, (-1, -1), 0.0, False) for t in views]
     assert sig[0] != sig[1]
-    for case in gpu_file.GM_CASES:
-        assert case[1] * case[2] * case[4] * case[6] > 0
+    for _, b, sq, sk, h, hk, d, d_v, _ in gpu_file.GM_CASES:  # each GM case's four views, as the GPU test takes them
+        for shape in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d_v), (b, sq, h, d_v)):
+            raw = torch.full((shape[0] * shape[1] * shape[2] * shape[3],), -1, dtype=torch.int16)
+            views = [gpu_file._view(raw.view(dt), shape) for dt in (torch.float16, torch.bfloat16)]
+            assert len({(t.data_ptr(), tuple(t.shape), t.stride()) for t in views}) == 1
+            assert views[0].stride(-1) == 1 and (views[0].stride(-2) * views[0].element_size()) % 16 == 0
 
 
 # Small analogues of GL_MASKS (same options, float64 on the CPU): (id, batch, seqlen_q, seqlen_k, nheads, nheads_k,

@@ -24,10 +24,10 @@ sees exactly 0 (per K/V head, over its query group), and everything by the rule,
 GM: the same bytes under the other 16-bit dtype. A cache keyed by address, shape and strides but not dtype, or a
 dtype collapsed to a label, runs fp16 code on bf16 bits: vllm-project/vllm#54338 (a KV cache holding bf16 bits read
 back as fp16: fluent nonsense, no error, no non-finite value), rajveer43/VeloxQuant-MLX#400 (a kernel cache key that
-collapsed bfloat16 into another dtype's entry at the same shape), pytorch/pytorch#128883 (a dtype view of a buffer
-computed as the old dtype: no error, wrong values). Each case fills the same buffers through fp16, then bf16, then
-fp16 views of one shape (same data pointers, shapes and strides: asserted), new values each round, forward and
-backward by the rule, out and LSE bitwise the call on fresh copies.
+collapsed bfloat16 into float32's label at the same shape; a risk, its fix found no wrong output),
+pytorch/pytorch#128883 (a dtype view of a buffer computed as the old dtype: no error, wrong values). Each case fills
+the same buffers through fp16, then bf16, then fp16 views of one shape (same data pointers, shapes and strides:
+asserted), new values each round, forward and backward by the rule, out and LSE bitwise the call on fresh copies.
 
 Inputs are Gaussian from the per-test seed (tests/conftest.py). Skipped, with the reason, without an sm90 GPU and
 the built extension (conftest.py), and per test when the build lacks a head_dim / dtype.
