@@ -298,7 +298,8 @@ _COMMON = """
     dtype other than fp16 / bf16, mismatched ranks, shapes, dtypes or devices, a head_dim that is not a multiple of 8
     in [8, 256] or not built, nheads not a multiple of nheads_k, bad scale / window / softcap values; on meta and fake
     tensors the same checks run where the values are known. No GPU: CUDA tensors only (PyTorch's dispatch error).
-    Math: FlashAttention-3 paper (Shah et al., 2024), §3.1 (forward, Algorithm 1) and §2.1 (gradients)."""
+    Math: FlashAttention-3 paper (Shah et al., 2024), §3.1-3.2 (forward, Algorithms 1-2), Appendix B.1
+    (backward, Algorithm 3) and §2.1 (gradients)."""
 _OP_DOCS = {
     "fwd": """fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, deterministic, doc_bounds=None)
     -> (out, lse)

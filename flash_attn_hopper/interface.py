@@ -383,8 +383,9 @@ def attention(
 
     Computes, per batch element and head, ``O = softmax(S + mask) V`` with ``S = softmax_scale * Q Kᵀ``
     (or ``softcap * tanh(softmax_scale * Q Kᵀ / softcap)`` when softcap > 0), with the online softmax of the
-    FlashAttention-3 paper (Shah et al., 2024), §3.1 (Algorithm 1: warp-specialized TMA producer, WGMMA consumers,
-    exp2-domain online softmax); the math is §2.1, eq. for S, P, O.
+    FlashAttention-3 paper (Shah et al., 2024), §3.1-3.2 (Algorithm 1: warp-specialized TMA producer, WGMMA
+    consumers, exp2-domain online softmax; Algorithm 2: the next QKᵀ issued before the current softmax, the
+    intra-warpgroup overlap); the math is §2.1, eq. for S, P, O.
 
     Args:
         q: ``(batch, seqlen_q, nheads, head_dim)``, torch.float16 or torch.bfloat16, on an sm90 CUDA device.
@@ -457,11 +458,11 @@ def attention(
             (double backward is not supported: ``create_graph=True`` works, a second backward through it raises).
 
     Gradients: when q, k or v requires grad, ``out`` (and ``lse``) backpropagate through the FlashAttention-3
-    backward (paper §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = dsoftmax(dP), dQ = α dS K, dK = α dSᵀ Q; the row-wise
-    dsoftmax is computed as dS = P ∘ (dP − D) with D = rowsum(P ∘ dP) = rowsum(dO ∘ O)), recomputing P from the
-    saved LSE; saved state is q, k, v, out and lse (and the document bounds). ``lse`` is differentiable: since
-    d LSE_i / d S_ij = P_ij, a loss that uses it adds ``P ∘ dLSE`` to dS at no extra cost (what ring and
-    context-parallel attention need to merge partial results).
+    backward (paper Appendix B.1, Algorithm 3; the equations of §2.1: dV = Pᵀ dO, dP = dO Vᵀ, dS = dsoftmax(dP),
+    dQ = α dS K, dK = α dSᵀ Q; the row-wise dsoftmax is computed as dS = P ∘ (dP − D) with D = rowsum(P ∘ dP) =
+    rowsum(dO ∘ O)), recomputing P from the saved LSE; saved state is q, k, v, out and lse (and the document
+    bounds). ``lse`` is differentiable: since d LSE_i / d S_ij = P_ij, a loss that uses it adds ``P ∘ dLSE`` to dS
+    at no extra cost (what ring and context-parallel attention need to merge partial results).
 
     Inputs are never modified. The kernels run on the current CUDA stream of q's device.
     """
@@ -908,8 +909,8 @@ def attention_varlen(
     Sequence b holds query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q and key rows
     ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v, and attends only within itself; masks (causal, window) are
     aligned per sequence, bottom-right, exactly as ``attention`` does for one batch element. The same kernels as
-    ``attention`` (FlashAttention-3 paper §3.1 forward, §2.1 gradients) run with per-sequence row offsets, so memory
-    and work grow with the number of tokens, not with batch × max_seqlen.
+    ``attention`` (FlashAttention-3 paper §3.1-3.2 forward, Appendix B.1 backward, §2.1 gradients) run with
+    per-sequence row offsets, so memory and work grow with the number of tokens, not with batch × max_seqlen.
 
     Args:
         q: ``(total_q, nheads, head_dim)``, torch.float16 or torch.bfloat16, on an sm90 CUDA device.

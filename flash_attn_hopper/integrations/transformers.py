@@ -129,7 +129,10 @@ def flash_attn_hopper_attention_forward(
             Non-causal without a window (an encoder; cross-attention, where the mask is the encoder's and seqlen_q
             may be any length): the mask describes the keys only and every query row is computed, as in eager.
             Any other mask (4D, additive, custom) raises ValueError.
-        dropout: attention dropout probability; must be 0 (set ``config.attention_dropout = 0.0``).
+        dropout: attention dropout probability; must be 0 in a training-mode forward (eval passes 0): build the
+            model with ``attention_dropout=0.0`` (through ``from_pretrained``, or on the config given to
+            ``from_config``; the attention modules copy it when built, so setting it on the config afterwards has no
+            effect).
         scaling: softmax scale (multiplier of Q Kᵀ); None means ``1 / sqrt(head_dim)``.
         is_causal: causal mask if True; None means ``module.is_causal`` (a ValueError when the module has none: the
             mask the model builds, which decides in eager, is not seen here).
@@ -165,9 +168,10 @@ def flash_attn_hopper_attention_forward(
     Raises:
         ValueError: ``attention_mask`` is not None and not the 2D boolean padding mask described above (or, causal,
             with fewer keys than queries); no ``is_causal`` argument and no ``module.is_causal``;
-            ``dropout`` is not 0; a partial set of ``cu_seq_lens_*`` / ``max_length_*``, or them with a batch of more
-            than one row; and, from ``flash_attn_hopper.attention``, bad shapes,
-            head_dim not a multiple of 8 in [8, 256], tensors not on an sm90 CUDA device.
+            ``dropout`` is not 0 (a training-mode forward of a model built with attention dropout); a partial set
+            of ``cu_seq_lens_*`` / ``max_length_*``, or them with a batch of more than one row; and, from
+            ``flash_attn_hopper.attention``, bad shapes, head_dim not a multiple of 8 in [8, 256], tensors not on an
+            sm90 CUDA device.
         NotImplementedError: attention sinks (``s_aux``), a position bias, any other keyword argument not listed above
             with a value (``sinks``, ``indices``, ``block_indices``, ...); a sliding window in non-causal attention
             with a padding mask and seqlen_q != seqlen_k (cross-attention); a non-causal sliding_window W whose
