@@ -4,7 +4,8 @@ tests/test_bug_reports_thirtysixth_gpu.py, without a GPU or the extension.
 - GN: for 132 SMs (H100 SXM, H200) and 114 (H100 PCIe) every case's batch puts the tiles exactly at waves x SMs, one
   batch element's tiles short of it or over it (so the last wave is full, one step short, or one step into a new
   wave; with one wave short, fewer tiles than CTAs); the query-block count is the same at both head_dim 64 tile
-  heights; every case is a persistent launch by csrc/flash/config.hpp's kFwdPersistentMaxKeyBlocks.
+  heights; every case is a persistent launch: its forward kernel is built persistent (csrc/flash/config.hpp's
+  kPersistent: head_dim 64, 96, 128; 192 and 256 launch one CTA per tile) and within kFwdPersistentMaxKeyBlocks.
 - GO: on small float64 / fp16 analogues, the dLSE term moves dQ and dK far outside the rule (a backward that drops it
   fails check_grads_where_required's comparison) and leaves dV unchanged; with the loss on the LSE alone the
   reference's dV is exactly 0.
@@ -61,9 +62,18 @@ def test_gn_cases_are_persistent_launches():
     assert match and int(match.group(1)) == gpu_file.GN_MAX_KEY_BLOCKS
     block_ns = {int(n) for n in re.findall(r"kBlockN = (\d+), kStages", text)}  # the forward tile configs
     assert block_ns and min(block_ns) == gpu_file.GN_MIN_BLOCK_N, block_ns
+    persistent = {}  # forward kernel head dim -> kPersistent of its tile configurations
+    for head, body in re.findall(r"struct FwdTileConfig(<\d+>|64Narrow) \{(.*?)\};", text, re.S):
+        flag = re.search(r"kPersistent = (true|false);", body)
+        assert flag, head
+        dim = 64 if head == "64Narrow" else int(head[1:-1])
+        persistent[dim] = persistent.get(dim, True) and flag.group(1) == "true"
+    assert sorted(persistent) == [64, 96, 128, 192, 256], persistent
+    assert tuple(d for d in sorted(persistent) if persistent[d]) == gpu_file.GN_PERSISTENT_KERNELS
     for case in gpu_file.GN_CASES:
-        assert gpu_file.gn_persistent(case[5]), case[0]
-    assert not gpu_file.gn_persistent(gpu_file.GN_MAX_KEY_BLOCKS * gpu_file.GN_MIN_BLOCK_N + 1)
+        assert gpu_file.gn_persistent(max(case[1], case[2]), case[5]), case[0]
+    assert not gpu_file.gn_persistent(64, gpu_file.GN_MAX_KEY_BLOCKS * gpu_file.GN_MIN_BLOCK_N + 1)
+    assert not gpu_file.gn_persistent(192, 77) and not gpu_file.gn_persistent(256, 77)
 
 
 def _go_small(dtype, g):
@@ -110,5 +120,8 @@ def test_gp_batch_passes_the_limit_checks(batch, refused):
     for case in gpu_file.GP_CASES:
         _, head_dim, _, seqlen_q, seqlen_k, nheads, nheads_k, _ = case
         assert head_dim % 8 == 0 and nheads % nheads_k == 0
+        assert seqlen_q <= gpu_file.BWD_SEQLEN_Q_ROUNDING  # one workspace tile of rows per (batch, head)
+    # the free-memory guard's figure: the largest case's dQ accumulator is 16 GiB
+    assert 15 * 2**30 < max(gpu_file.gp_workspace_bytes(c[1], c[5]) for c in gpu_file.GP_CASES) <= 16 * 2**30
     assert any(c[3] > c[4] and c[7].get("causal") for c in gpu_file.GP_CASES)  # rows that see no key
     assert any(c[7].get("deterministic") and c[5] > c[6] for c in gpu_file.GP_CASES)  # GQA, deterministic

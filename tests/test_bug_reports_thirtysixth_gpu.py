@@ -10,8 +10,9 @@ multiple of its group), tile-ai/tilelang#2674 (a persistent loop right only when
 pipeline's phase period). Earlier rounds ran persistent grids at 320-768 tiles (FP, FQ, DA) and sections with a
 partial last section (test_sections_gpu.py), never at k x SMs exactly or one step beside it. Here the batch is
 chosen at run time from the GPU's SM count so that the tiles are waves x SMs - step, waves x SMs and waves x SMs +
-step (step: the tiles of one batch element), one and two waves, five configurations (head_dim 64 to 256, causal,
-window, softcap, GQA / MQA, head_dim_v 128 beside 192, deterministic): out, LSE, dQ, dK, dV by the rule from
+step (step: the tiles of one batch element), one and two waves, five configurations on the forward kernels that run
+persistent (head_dim 64, 96 and 128: config.hpp's FwdTileConfig<192> and <256> launch one CTA per tile; causal, window,
+softcap, MQA, head_dim_v 64 beside 128, deterministic): out, LSE, dQ, dK, dV by the rule from
 NaN-poisoned memory (a tile no CTA runs stays NaN), and the first and last batch elements' out and LSE bitwise the
 same element called alone (docs/conventions.md: a row's bits do not depend on the other rows of the call).
 
@@ -32,7 +33,10 @@ and a launch that derives a dimension from the batch (batch + 1, a rounded-up co
 CTAs, the deterministic backward's counters) passes the cap only at the boundary. Class 16 ran batch 28800 and
 nheads 65535, class X 65535 varlen sequences; here batch 65535 dense: MQA causal with rows that see no key, GQA with a
 window and the deterministic backward, head_dim 256 with softcap; forward and backward by the rule from NaN-poisoned
-memory, the last batch element's out and LSE bitwise the element called alone.
+memory, the last batch element's out and LSE bitwise the element called alone. The backward's dQ accumulator holds
+128 rows per (batch, head) at the kernel's width in float32 (16 GiB for the GQA case, ~20 GiB at its peak), so each
+case first asks for that much free memory (skipped with the reason otherwise) and gives its memory back, also when it
+fails.
 
 Inputs are Gaussian from the per-test seed (tests/conftest.py). Skipped, with the reason, without an sm90 GPU and the
 built extension (conftest.py), and per test when the build lacks a head_dim / dtype.
@@ -42,13 +46,15 @@ the rule (a backward without it fails) and leaves dV; GP's batch passes the Pyth
 is refused by name."""
 
 import os
+import traceback
 
 import pytest
 import torch
 
 import flash_attn_hopper
 import gpu_helpers
-from gpu_helpers import assert_same_bits, check_attention, require_built, run_attention
+from flash_attn_hopper.interface import kernel_head_dim
+from gpu_helpers import BWD_SEQLEN_Q_ROUNDING, assert_same_bits, check_attention, require_built, run_attention
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -77,14 +83,15 @@ def _same_as_alone(out, lse, q, k, v, b, name, **opts):
 GN_HEIGHTS = (128, 192)  # the forward's tile heights (192 only at head_dim 64: flash/fwd/tile_choice.hpp)
 GN_MAX_KEY_BLOCKS = 32  # csrc/flash/config.hpp kFwdPersistentMaxKeyBlocks: persistent up to this many key blocks
 GN_MIN_BLOCK_N = 64  # the narrowest key block of the forward (head_dim 200-256)
+GN_PERSISTENT_KERNELS = (64, 96, 128)  # forward kernels with kPersistent (config.hpp; 192 and 256: one CTA per tile)
 
 # (id, head_dim, head_dim_v, dtype, seqlen_q, seqlen_k, nheads, nheads_k, opts)
 GN_CASES = [
     ("d64-causal", 64, 64, "fp16", 100, 300, 1, 1, dict(causal=True)),
     ("d96-window-mqa", 96, 96, "bf16", 100, 250, 2, 1, dict(window_size=(64, 0))),
     ("d128-full-two-blocks", 128, 128, "fp16", 200, 129, 1, 1, {}),
-    ("d192v128-causal-det", 192, 128, "bf16", 90, 200, 1, 1, dict(causal=True, deterministic=True)),
-    ("d256-softcap-causal", 256, 256, "bf16", 77, 77, 3, 3, dict(causal=True, softcap=20.0)),
+    ("d128v64-causal-det", 128, 64, "bf16", 90, 200, 1, 1, dict(causal=True, deterministic=True)),
+    ("d64-softcap-causal", 64, 64, "bf16", 77, 77, 3, 3, dict(causal=True, softcap=20.0)),
 ]
 GN_WAVES = [1, 2]
 GN_OFFSETS = {"one-step-short": -1, "exact": 0, "one-step-over": 1}
@@ -107,10 +114,10 @@ def gn_batch(sms, step, waves, offset):
     return tiles // step
 
 
-def gn_persistent(seqlen_k):
-    """The launcher's persistence rule with the default knobs (launch_fwd_sm90.hpp): persistent when each tile sees
-    at most GN_MAX_KEY_BLOCKS key blocks; a tile sees at most seqlen_k keys."""
-    return -(-seqlen_k // GN_MIN_BLOCK_N) <= GN_MAX_KEY_BLOCKS
+def gn_persistent(head_dim, seqlen_k):
+    """The launcher's persistence rule with the default knobs (launch_fwd_sm90.hpp): a kernel built persistent, and
+    each tile sees at most GN_MAX_KEY_BLOCKS key blocks; a tile sees at most seqlen_k keys."""
+    return kernel_head_dim(head_dim) in GN_PERSISTENT_KERNELS and -(-seqlen_k // GN_MIN_BLOCK_N) <= GN_MAX_KEY_BLOCKS
 
 
 @pytest.mark.parametrize("offset", list(GN_OFFSETS))
@@ -125,7 +132,7 @@ def test_persistent_grid_at_multiples_of_its_cta_count(case, waves, offset):
     for knob in ("FAH_FWD_PERSISTENT", "FAH_FWD_PERSISTENT_MAX_KEY_BLOCKS", "FAH_FWD_BLOCK_M"):
         if knob in os.environ:
             pytest.skip(f"{knob} is set: these cases assume the default persistent launch")
-    if not gn_persistent(seqlen_k):
+    if not gn_persistent(max(head_dim, head_dim_v), seqlen_k):
         raise AssertionError(f"premise: {name} is not a persistent launch")
     sms = num_sms()
     step = nheads * gn_m_blocks(seqlen_q)
@@ -239,17 +246,43 @@ GP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", GP_CASES, ids=[c[0] for c in GP_CASES])
-def test_dense_batch_at_its_largest_accepted_value(case):
-    """Batch 65535: out, LSE, dQ, dK, dV by the rule from NaN-poisoned memory, the last batch element's out and LSE
-    bitwise the element called alone."""
+def gp_workspace_bytes(head_dim, nheads):
+    """The backward's float32 dQ accumulator at batch 65535 (csrc/api/flash_api.cpp launch_bwd): per (batch, head)
+    seqlen_q rounded up to BWD_SEQLEN_Q_ROUNDING rows (128 for these lengths) of the kernel's width; one lane (dq_lanes
+    2 only at head_dim 256 deterministic)."""
+    return GP_BATCH * nheads * BWD_SEQLEN_Q_ROUNDING * kernel_head_dim(head_dim, backward=True) * 4
+
+
+def _require_free_memory(nbytes):
+    torch.cuda.empty_cache()  # blocks cached by earlier tests do not count as free
+    free, _ = torch.cuda.mem_get_info()
+    if free < nbytes:
+        pytest.skip(f"needs {nbytes / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.0f} GiB free")
+
+
+def _dense_batch_at_its_largest_accepted_value(case):
     name, head_dim, dtype, seqlen_q, seqlen_k, nheads, nheads_k, opts = case
     dtype = DTYPES[dtype]
     require_built(head_dim, dtype)
+    # Peak: the workspace, inputs, outputs and gradients (~3 GiB for the GQA case), then the float32 references (~15
+    # GiB for it, measured on an H100, mostly inside the freed workspace).
+    _require_free_memory(int(1.25 * gp_workspace_bytes(head_dim, nheads)) + 4 * 2**30)
     q, k, v, dout = gpu_helpers.attention_inputs(GP_BATCH, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
     out, lse, grads = run_attention(q, k, v, dout, **opts)
     label = f"batch {GP_BATCH} {name}"
     check_attention(out, lse, grads, q, k, v, dout, label, **_ref_opts(opts))
     _same_as_alone(out, lse, q, k, v, GP_BATCH - 1, label, **opts)
-    del grads
-    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("case", GP_CASES, ids=[c[0] for c in GP_CASES])
+def test_dense_batch_at_its_largest_accepted_value(case):
+    """Batch 65535: out, LSE, dQ, dK, dV by the rule from NaN-poisoned memory, the last batch element's out and LSE
+    bitwise the element called alone. Its memory is given back also when it fails (pytest keeps a failed test's
+    frames, and with them its tensors, for the rest of the session)."""
+    try:
+        _dense_batch_at_its_largest_accepted_value(case)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        torch.cuda.empty_cache()
