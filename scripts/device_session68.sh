@@ -20,7 +20,8 @@ PREBUILT=FIN2 PACK=fin2 PHASES=none BUDGET=340 OUT="$OUT/check" bash scripts/dev
 echo "sass $(el): $(grep -m1 'HGMMA check' "$OUT/check.txt");" \
   "$(grep -m1 -o 'spills: [0-9]* kernel(s) spill' "$OUT/check.txt")"
 export FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/FIN2/build.log
-FIRST=${FIRST:-"tests/test_bug_reports_thirtysixth_gpu.py tests/test_bug_reports_thirtyfifth_gpu.py tests/test_bug_reports_thirtyfourth_gpu.py tests/test_bug_reports_thirtysecond_gpu.py tests/test_bwd_gpu.py
+FIRST=${FIRST:-"tests/test_bug_reports_thirtysixth_gpu.py tests/test_bug_reports_thirtyfifth_gpu.py
+       tests/test_bug_reports_thirtyfourth_gpu.py tests/test_bug_reports_thirtysecond_gpu.py tests/test_bwd_gpu.py
        tests/test_deterministic_gpu.py tests/test_transformers_gpu.py tests/test_bug_reports_fifth_gpu.py"}
 lim=$(left 10); (( lim > 220 )) && lim=220
 timeout -s INT -k 10 "$lim" python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadfile $FIRST \
