@@ -123,12 +123,29 @@ def run_attention(q, k, v, dout, dlse=None, **opts):
     return out.detach(), lse.detach(), grads
 
 
+def run_attention_varlen(q, k, v, dout, cu_q, cu_k, max_q, max_k, dlse=None, **opts):
+    """run_attention's varlen twin: (out, lse, (dq, dk, dv)) of attention_varlen, memory poisoned before each pass."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    poison_attention_memory(q, v, cu_q)
+    out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max_q, max_k, return_lse=True, **opts)
+    poison_attention_memory(q, v, cu_q)
+    outputs, grads_out = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
+    grads = torch.autograd.grad(outputs, leaves, grads_out)
+    return out.detach(), lse.detach(), grads
+
+
+def _reference_opts(opts):
+    """The call's options the references take (deterministic changes the kernels' summation order, not the math)."""
+    return {key: val for key, val in opts.items() if key != "deterministic"}
+
+
 def check_attention(out, lse, grads, q, k, v, dout, name, dlse=None, **opts):
     """O, LSE, dQ, dK, dV by the rule against the float32 reference; shapes, dtypes and finiteness."""
     from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_ref_grads
 
     if not (out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype):
         raise AssertionError(name)
+    opts = _reference_opts(opts)
     ref, ref_lse = attention_ref(q, k, v, upcast=True, **opts)
     naive, naive_lse = attention_ref(q, k, v, upcast=False, **opts)
     assert_close_by_rule(out, ref, naive, f"{name} out")
@@ -166,6 +183,7 @@ def check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, dls
         raise AssertionError(name)
     if not (lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32):
         raise AssertionError(name)
+    opts = _reference_opts(opts)
     ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **opts)
     naive, naive_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
     assert_close_by_rule(out, ref, naive, f"{name} out")
@@ -186,14 +204,19 @@ def check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, dls
         assert_close_by_rule(g, r, n, f"{name} {gname}")
 
 
-def check_grads_where_required(leaves, which, ref, naive, dtype, name):
+def check_grads_where_required(leaves, which, ref, naive, dtype, name, may_be_zero=""):
     """After a backward through leaves {"q", "k", "v"} of which only those named in `which` require grad: those get
-    gradients of their shape and dtype, right by the rule against ref / naive (dQ, dK, dV); the others none."""
+    gradients of their shape and dtype, right by the rule against ref / naive (dQ, dK, dV); the others none. A leaf
+    named in may_be_zero, which the loss does not depend on (v under a loss on the LSE alone), may instead get none
+    or an exact 0."""
     from flash_attn_hopper.testing import assert_close_by_rule
 
     for i, leaf in enumerate("qkv"):
         grad = leaves[leaf].grad
-        if leaf in which:
+        if leaf in which and leaf in may_be_zero:
+            if grad is not None and not torch.equal(grad, torch.zeros_like(grad)):
+                raise AssertionError(f"{name}: d{leaf} is not 0, though the loss does not depend on {leaf}")
+        elif leaf in which:
             if not (grad is not None and grad.shape == leaves[leaf].shape and grad.dtype == dtype):
                 raise AssertionError(f"{name}: d{leaf}")
             assert_close_by_rule(grad, ref[i], naive[i], f"{name}: d{leaf}")

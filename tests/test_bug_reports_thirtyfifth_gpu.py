@@ -42,7 +42,7 @@ import flash_attn_hopper
 import gpu_helpers
 from flash_attn_hopper.testing import document_mask, local_mask
 from gpu_helpers import (GRAD_NAMES, assert_same_bits, check_attention, check_attention_varlen, cu_seqlens, randn,
-                         require_built, run_attention)
+                         require_built, run_attention, run_attention_varlen)
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -79,14 +79,10 @@ def _fill(*views):
         t.copy_(torch.randn(t.shape, dtype=t.dtype, device=DEVICE))
 
 
-def _ref_opts(opts):
-    return {key: val for key, val in opts.items() if key != "deterministic"}
-
-
 def _check_against_fresh_copies(out, lse, grads, q, k, v, dout, name, **opts):
     """By the rule, then out / LSE (and with deterministic=True dQ, dK, dV) bitwise the same call on contiguous copies
     at fresh addresses."""
-    check_attention(out, lse, grads, q, k, v, dout, name, **_ref_opts(opts))
+    check_attention(out, lse, grads, q, k, v, dout, name, **opts)
     copies = [t.detach().clone().contiguous() for t in (q, k, v)]
     out_c, lse_c, grads_c = run_attention(*copies, dout.clone(), **opts)
     assert_same_bits(out, out_c, f"{name} out", WHY_BITS)
@@ -94,18 +90,6 @@ def _check_against_fresh_copies(out, lse, grads, q, k, v, dout, name, **opts):
     if opts.get("deterministic"):
         for gname, a, b in zip(GRAD_NAMES, grads, grads_c):
             assert_same_bits(a, b, f"{name} {gname}", WHY_BITS)
-
-
-def _run_varlen(q, k, v, dout, cu_q, cu_k, max_q, max_k, dlse=None, **opts):
-    """(out, lse, (dq, dk, dv)) of attention_varlen on leaves that require grad, memory poisoned before each pass;
-    the loss also uses lse when dlse is given."""
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max_q, max_k, return_lse=True, **opts)
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    outputs, grads_out = ([out, lse], [dout, dlse]) if dlse is not None else ([out], [dout])
-    grads = torch.autograd.grad(outputs, leaves, grads_out)
-    return out.detach(), lse.detach(), grads
 
 
 # ------------------------------------------------------------- GK: new shapes, strides and values at old addresses
@@ -185,7 +169,7 @@ def test_varlen_rounds_at_the_addresses_of_earlier_calls(dtype):
         cu_q, cu_k = cu_bufs[0][:len(lq) + 1], cu_bufs[1][:len(lk) + 1]
         cu_q.copy_(cu_seqlens(lq))
         cu_k.copy_(cu_seqlens(lk))
-        out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), **opts)
+        out, lse, grads = run_attention_varlen(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), **opts)
         name = f"varlen round {i}"
         check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, **opts)
         copies = [t.clone() for t in (q, k, v)] + [cu_q.clone(), cu_k.clone()]
@@ -359,7 +343,7 @@ def test_varlen_gradients_reach_only_what_the_loss_depends_on(case):
     lse_rows[lse_idx] = True
     dout = dout * do_rows.unsqueeze(-1).to(dtype)
     dlse = torch.randn(h, sum(lq), device=DEVICE) * lse_rows.t().float() if lse_idx else None
-    out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), dlse=dlse, **opts)
+    out, lse, grads = run_attention_varlen(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), dlse=dlse, **opts)
     check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, dlse=dlse, **opts)
     visible = torch.block_diag(*[local_mask(a, b, opts.get("window_size", (-1, -1)), opts.get("causal", False))
                                  .double() for a, b in zip(lq, lk)]).bool().to(DEVICE).unsqueeze(0)
@@ -410,7 +394,7 @@ def test_varlen_same_bytes_under_the_other_dtype():
     for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float16)):
         q, k, v, dout = (_view(r.view(dtype), s) for r, s in zip(raw, shapes))
         _fill(q, k, v, dout)
-        out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), causal=True)
+        out, lse, grads = run_attention_varlen(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), causal=True)
         name = f"varlen round {i} {dtype}"
         check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, name, causal=True)
         out_c, lse_c = flash_attn_hopper.attention_varlen(q.clone(), k.clone(), v.clone(), cu_q, cu_k, max(lq),

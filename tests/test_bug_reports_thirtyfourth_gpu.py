@@ -57,7 +57,7 @@ import flash_attn_hopper
 import gpu_helpers
 from flash_attn_hopper.testing import assert_close_by_rule, attention_ref, attention_varlen_ref, local_mask
 from gpu_helpers import (assert_same_bits, attention_inputs, bits, built_dtype, check_attention,
-                         check_attention_varlen, cu_seqlens, randn, run_attention)
+                         check_attention_varlen, cu_seqlens, randn, run_attention, run_attention_varlen)
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -99,20 +99,9 @@ def _run_window_case(head_dim, seqlen_q, seqlen_k, window, name):
     _check_visibility_dense(out, lse, grads, seqlen_q, seqlen_k, window, name)
 
 
-def _run_varlen(q, k, v, dout, cu_q, cu_k, lengths_q, lengths_k, **opts):
-    """(out, lse, (dq, dk, dv)) of attention_varlen on leaves that require grad, memory poisoned before each pass (the
-    varlen twin of gpu_helpers.run_attention)."""
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    out, lse = flash_attn_hopper.attention_varlen(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                                                  return_lse=True, **opts)
-    gpu_helpers.poison_attention_memory(q, v, cu_q)
-    grads = torch.autograd.grad(out, leaves, dout)
-    return out.detach(), lse.detach(), grads
-
-
 def _varlen_case(lengths_q, lengths_k, head_dim, **opts):
-    """Gaussian (q, k, v, dout, cu_q, cu_k) for these lengths, GQA NHEADS / NHEADS_K, and _run_varlen's results."""
+    """Gaussian (q, k, v, dout, cu_q, cu_k) for these lengths, GQA NHEADS / NHEADS_K, and run_attention_varlen's
+    results."""
     dtype = built_dtype(head_dim)
     cu_q, cu_k = cu_seqlens(lengths_q), cu_seqlens(lengths_k)
     q = randn(sum(lengths_q), NHEADS, head_dim, dtype=dtype)
@@ -120,7 +109,7 @@ def _varlen_case(lengths_q, lengths_k, head_dim, **opts):
     v = randn(sum(lengths_k), NHEADS_K, head_dim, dtype=dtype)
     dout = randn(sum(lengths_q), NHEADS, head_dim, dtype=dtype)
     inputs = (q, k, v, dout, cu_q, cu_k)
-    return inputs, _run_varlen(*inputs, lengths_q, lengths_k, **opts)
+    return inputs, run_attention_varlen(*inputs, max(lengths_q), max(lengths_k), **opts)
 
 
 # ----------------------------------------------------------- GG: window sides between the lengths and at thresholds
@@ -272,7 +261,7 @@ def test_varlen_dq_workspace_offsets_at_each_backward_block_height(head_dim, mod
     inputs, (out, lse, grads) = _varlen_case(GI_Q, GI_K, head_dim, **call_opts)
     q, k, v, dout, cu_q, cu_k = inputs
     if call_opts.get("deterministic"):
-        _, _, grads2 = _run_varlen(*inputs, GI_Q, GI_K, **call_opts)
+        _, _, grads2 = run_attention_varlen(*inputs, max(GI_Q), max(GI_K), **call_opts)
         for gname, a, b in zip(gpu_helpers.GRAD_NAMES, grads, grads2):
             assert_same_bits(a, b, f"deterministic {gname}", " (two deterministic backwards differ)")
     check_attention_varlen(out, lse, grads, q, k, v, dout, cu_q, cu_k, f"varlen d{head_dim} {mode}", **ref_opts)
@@ -359,7 +348,7 @@ def test_varlen_over_a_kv_pool_slice(layout):
     q = randn(sum(lq), NHEADS, head_dim, dtype=dtype)
     dout = randn(sum(lq), NHEADS, head_dim, dtype=dtype)
     before = [bits(p) for p in pools]
-    out, lse, grads = _run_varlen(q, k, v, dout, cu_q, cu_k, lq, lk, causal=True)
+    out, lse, grads = run_attention_varlen(q, k, v, dout, cu_q, cu_k, max(lq), max(lk), causal=True)
     torch.cuda.synchronize()
     for p, saved in zip(pools, before):
         if not torch.equal(bits(p), saved):

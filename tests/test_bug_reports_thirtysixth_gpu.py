@@ -54,17 +54,14 @@ import torch
 import flash_attn_hopper
 import gpu_helpers
 from flash_attn_hopper.interface import kernel_head_dim
-from gpu_helpers import BWD_SEQLEN_Q_ROUNDING, assert_same_bits, check_attention, require_built, run_attention
+from gpu_helpers import (BWD_SEQLEN_Q_ROUNDING, assert_same_bits, check_attention, check_grads_where_required,
+                         require_built, run_attention)
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 DEVICE = "cuda"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 WHY_ALONE = " (a batch element differs from the same element called alone)"
-
-
-def _ref_opts(opts):
-    return {key: val for key, val in opts.items() if key != "deterministic"}
 
 
 def num_sms():
@@ -146,7 +143,7 @@ def test_persistent_grid_at_multiples_of_its_cta_count(case, waves, offset):
                                                  head_dim_v=head_dim_v)
     label = f"{name} {tiles} tiles on {sms} SMs"
     out, lse, grads = run_attention(q, k, v, dout, **opts)
-    check_attention(out, lse, grads, q, k, v, dout, label, **_ref_opts(opts))
+    check_attention(out, lse, grads, q, k, v, dout, label, **opts)
     for b in (0, batch - 1):
         _same_as_alone(out, lse, q, k, v, b, label, **opts)
 
@@ -175,25 +172,6 @@ def _go_refs(q, k, v, dout, dlse, loss):
     return ref, naive
 
 
-def check_go_grads(leaves, which, ref, naive, dtype, loss, name):
-    """The inputs in `which` get gradients of their shape and dtype by the rule, the others none; with the loss on
-    the LSE alone, v (which the LSE does not depend on) gets an exact 0 or none."""
-    from flash_attn_hopper.testing import assert_close_by_rule
-
-    for i, leaf in enumerate("qkv"):
-        grad = leaves[leaf].grad
-        if leaf not in which:
-            if grad is not None:
-                raise AssertionError(f"{name}: {leaf} does not require grad but got a gradient")
-        elif leaf == "v" and loss == "lse":
-            if grad is not None and not torch.equal(grad, torch.zeros_like(grad)):
-                raise AssertionError(f"{name}: a loss on the LSE alone gave v a nonzero gradient")
-        else:
-            if not (grad is not None and grad.shape == leaves[leaf].shape and grad.dtype == dtype):
-                raise AssertionError(f"{name}: d{leaf} missing, or of another shape or dtype")
-            assert_close_by_rule(grad, ref[i], naive[i], f"{name}: d{leaf}")
-
-
 @pytest.mark.parametrize("which", GO_WHICH)
 @pytest.mark.parametrize("loss", list(GO_LOSSES))
 def test_lse_loss_with_some_inputs_requiring_grad(loss, which):
@@ -214,7 +192,8 @@ def test_lse_loss_with_some_inputs_requiring_grad(loss, which):
     if outputs:
         torch.autograd.backward([o for o, _ in outputs], [g for _, g in outputs])
     ref, naive = _go_refs(q, k, v, dout, dlse, loss)
-    check_go_grads(leaves, which, ref, naive, dtype, loss, f"{loss} {which}")
+    check_grads_where_required(leaves, which, ref, naive, dtype, f"{loss} {which}",
+                               may_be_zero="v" if loss == "lse" else "")
 
 
 def test_lse_loss_gradient_asked_for_k_alone():
@@ -270,7 +249,7 @@ def _dense_batch_at_its_largest_accepted_value(case):
     q, k, v, dout = gpu_helpers.attention_inputs(GP_BATCH, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
     out, lse, grads = run_attention(q, k, v, dout, **opts)
     label = f"batch {GP_BATCH} {name}"
-    check_attention(out, lse, grads, q, k, v, dout, label, **_ref_opts(opts))
+    check_attention(out, lse, grads, q, k, v, dout, label, **opts)
     _same_as_alone(out, lse, q, k, v, GP_BATCH - 1, label, **opts)
 
 
