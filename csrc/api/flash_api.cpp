@@ -344,6 +344,7 @@ Varlen check_varlen(at::Tensor const& q, at::Tensor const& k, at::Tensor const& 
 
 // Documents of a dense batch (packed sequences in each row): the kernels' per-position bounds, or nulls.
 struct Documents {
+  at::Tensor storage;  // an aligned copy when the caller's bounds were not 8-byte aligned, else the caller's tensor
   int const* bounds = nullptr;
 };
 
@@ -358,7 +359,13 @@ Documents check_documents(std::optional<at::Tensor> const& doc_bounds, at::Tenso
   TORCH_CHECK(b.is_cuda() && b.device() == q.device() && b.scalar_type() == at::kInt && b.is_contiguous() &&
                   b.dim() == 3 && b.size(0) == q.size(0) && b.size(1) == q.size(1) && b.size(2) == 2,
               "doc_bounds must be a contiguous int32 (batch, seqlen, 2) tensor on q's device");
-  return {b.data_ptr<int>()};
+  // The kernels read a position's [doc_start, doc_end] as one int2 (8-byte) load. A contiguous int32 tensor may sit
+  // 4 bytes off: a slice of a larger buffer, or one handed back by saved-tensor hooks (an offloader's arena); copy it.
+  if (reinterpret_cast<uintptr_t>(b.data_ptr()) % (2 * sizeof(int)) != 0) {
+    at::Tensor const copy = b.clone(at::MemoryFormat::Contiguous);
+    return {copy, copy.data_ptr<int>()};
+  }
+  return {b, b.data_ptr<int>()};
 }
 
 // Forward of checked (batch, rows, nheads, head_dim) views into out (same layout, 3-D for varlen) and lse.
