@@ -7,6 +7,8 @@
 # memory and tools groups: a second call, PHASES=groups SKIP_BUILD=1). At most BUDGET s; the SASS step's BUDGET of
 # 340 leaves gpu_check.sh its 40 s (device_check_parallel.sh gives it BUDGET - 300).
 #   carry [".prebuilt/pack/fin2.tar.xz", ".whl"]; OUT as the device gives it; BUDGET (default 555).
+# Environment: PREBUILT / PACK (default FIN2 / fin2: another pack, e.g. session 70's DOCAL / docal), FIRST (the first
+#   files), GRID (0: no grid), REST_PHASES (default "parallel"; "parallel groups" adds the memory and tools groups).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4  # several pytest processes on 16 cores
 OUT=${OUT:-/tmp/s68}; mkdir -p "$OUT"
@@ -15,11 +17,12 @@ T0=$(date +%s); el() { echo "+$(( $(date +%s) - T0 ))s"; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) - ${1:-0} )); }
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "gpu: $GPU; nproc $(nproc)"
-PREBUILT=FIN2 PACK=fin2 PHASES=none BUDGET=340 OUT="$OUT/check" bash scripts/device_check_parallel.sh \
+PREBUILT=${PREBUILT:-FIN2}; PACK=${PACK:-fin2}
+PREBUILT=$PREBUILT PACK=$PACK PHASES=none BUDGET=340 OUT="$OUT/check" bash scripts/device_check_parallel.sh \
   > "$OUT/check.txt" 2>&1
 echo "sass $(el): $(grep -m1 'HGMMA check' "$OUT/check.txt");" \
   "$(grep -m1 -o 'spills: [0-9]* kernel(s) spill' "$OUT/check.txt")"
-export FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/FIN2/build.log
+export FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/$PREBUILT/build.log
 FIRST=${FIRST:-"tests/test_bug_reports_thirtysixth_gpu.py tests/test_bug_reports_thirtyfifth_gpu.py
        tests/test_bug_reports_thirtyfourth_gpu.py tests/test_bug_reports_thirtysecond_gpu.py tests/test_bwd_gpu.py
        tests/test_deterministic_gpu.py tests/test_transformers_gpu.py tests/test_bug_reports_fifth_gpu.py"}
@@ -27,7 +30,8 @@ lim=$(left 10); (( lim > 220 )) && lim=220
 timeout -s INT -k 10 "$lim" python3 -m pytest -q -rs -p no:cacheprovider -n 4 --dist loadfile $FIRST \
   --timeout 200 --timeout-method thread --junitxml="$OUT/j_first.xml" > "$OUT/first.log" 2>&1
 echo "first files rc $? $(el): $(tail -n 1 "$OUT/first.log")"; grep -E "^(FAILED|ERROR)" "$OUT/first.log" | head -30
-if [[ $GPU == *H200* ]] && (( $(left) > 60 )); then  # the full grid with the feature points, else dense only
+# on an H200 the full grid with the feature points, else dense only
+if [[ $GPU == *H200* ]] && [[ ${GRID:-1} != 0 ]] && (( $(left) > 60 )); then
   feats=dense; (( $(left) > 190 )) && feats=dense,gqa,varlen,window,softcap,deterministic
   timeout "$(left 5)" python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both \
     --features $feats --no-bar --json "$OUT/grid_S68.json" --summary "$OUT/grid_S68_summary.md" > "$OUT/grid.log" 2>&1
@@ -41,7 +45,7 @@ if [[ $GPU == *H200* ]] && (( $(left) > 60 )); then  # the full grid with the fe
 fi
 if (( $(left) > 120 )); then
   ign="--ignore-glob=tests/*_cpu.py"; for f in $FIRST; do ign+=" --ignore=$f"; done  # CI runs the CPU files
-  PYTEST_ADDOPTS="$ign" SKIP_BUILD=1 PHASES=parallel BUDGET=$(left 5) OUT="$OUT/rest" \
+  PYTEST_ADDOPTS="$ign" SKIP_BUILD=1 PHASES=${REST_PHASES:-parallel} BUDGET=$(left 5) OUT="$OUT/rest" \
     bash scripts/device_check_parallel.sh > "$OUT/rest.txt" 2>&1
   echo "rest rc $? $(el)"; tail -n 12 "$OUT/rest/summary.txt" 2>/dev/null
 fi
