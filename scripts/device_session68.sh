@@ -6,7 +6,8 @@
 # 63's; dense only when less than 190 s is left); then as much of the parallel phase as the budget leaves (not the
 # memory and tools groups: a second call, PHASES=groups SKIP_BUILD=1). At most BUDGET s; the SASS step's BUDGET of
 # 340 leaves gpu_check.sh its 40 s (device_check_parallel.sh gives it BUDGET - 300).
-#   carry [".prebuilt/pack/fin2.tar.xz", ".whl"]; OUT as the device gives it; BUDGET (default 555).
+#   carry [".prebuilt/pack/fin2.tar.xz", ".whl"] (another PACK: its own tar.xz); OUT as the device gives it; BUDGET
+#   (default 555).
 # Environment: PREBUILT / PACK (default FIN2 / fin2: another pack, e.g. session 70's DOCAL / docal), FIRST (the first
 #   files), GRID (0: no grid), REST_PHASES (default "parallel"; "parallel groups" adds the memory and tools groups).
 set -u

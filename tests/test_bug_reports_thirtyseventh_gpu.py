@@ -185,6 +185,9 @@ def memory_cap(extra_bytes):
     synchronize()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(DEVICE).total_memory
+    split = torch.cuda.memory_stats(DEVICE).get("inactive_split_bytes.large_pool.current", 0)
+    if split:  # a free remainder of a live segment could take the call's allocations below the cap
+        raise AssertionError(f"premise: {split} free bytes inside live large segments after empty_cache")
     cap = torch.cuda.memory_reserved(DEVICE) + extra_bytes
     index = torch.cuda.current_device()  # set_per_process_memory_fraction takes no index-less "cuda"
     torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), index)
@@ -224,6 +227,9 @@ def test_out_of_memory_inside_a_call_then_the_retry(case):
     dtype = DTYPES[dtype_name]
     require_built(128, dtype)
     require_free(GQ_FREE_BYTES, case)
+    gc.collect()  # earlier tests' cached blocks out, so the inputs below get segments of exactly their sizes
+    synchronize()
+    torch.cuda.empty_cache()
     p = gq_problem(kind, dtype)
     assert gq_segments_exact(p), "premise: every input its own segment of exactly its size"
     opts = dict(p.opts, deterministic=deterministic)
@@ -408,6 +414,7 @@ def test_document_bounds_at_a_4_byte_offset_in_direct_op_calls(dtype_name):
     for name, a, b in zip(("out", "LSE", *GRAD_NAMES), *results):
         assert_same_bits(b, a, f"{dtype_name} {name}", " (bounds 4 bytes off against aligned ones)")
     assert_same_bits(shifted, kept, f"{dtype_name} doc_bounds", " (the op changed the caller's bounds)")
+    assert_same_bits(aligned, kept, f"{dtype_name} aligned doc_bounds", " (the op changed the caller's bounds)")
     check_attention(results[0][0], results[0][1], results[0][2:], q, k, v, dout, f"{dtype_name} aligned bounds",
                     dlse=dlse, causal=True, softcap=20.0, document_ids=document_ids([(100, 150, 50), (7, 293)]))
 
