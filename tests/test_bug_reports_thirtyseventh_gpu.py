@@ -178,16 +178,29 @@ def gq_segments_exact(p):
     return all(t.nbytes % (2 * MiB) == 0 and t.nbytes >= 10 * MiB for t in (p.q, p.k, p.v, p.dout))
 
 
+def free_large_blocks():
+    """Sizes of the free blocks above 1 MiB (what a large-pool request can take) inside segments the allocator
+    keeps (empty_cache cannot release a segment that holds a live block: on the H100 ~1 GiB stayed free inside one
+    after the first case's float32 references)."""
+    index, stream = torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream  # the call's pool
+    return [b["size"] for seg in torch.cuda.memory_snapshot()
+            if seg["segment_type"] == "large" and seg.get("device", index) == index and seg["stream"] == stream
+            for b in seg["blocks"] if b["state"] == "inactive" and b["size"] > MiB]
+
+
 @contextlib.contextmanager
 def memory_cap(extra_bytes):
     """The caching allocator capped at the memory it holds now (after emptying its cache) plus extra_bytes, by
-    torch.cuda.set_per_process_memory_fraction; the whole device again afterwards, also when the block fails."""
+    torch.cuda.set_per_process_memory_fraction, with every free large block inside a kept segment taken by ballast
+    (an exact-size request takes an exact-size free block: best fit), so that the call's allocations need new
+    memory; the whole device and the ballast back afterwards, also when the block fails."""
     synchronize()
     torch.cuda.empty_cache()
+    ballast = [torch.empty(size, dtype=torch.uint8, device=DEVICE) for size in free_large_blocks()]
+    left = free_large_blocks()
+    if left:
+        raise AssertionError(f"premise: free blocks {left} inside kept large segments after the ballast")
     total = torch.cuda.get_device_properties(DEVICE).total_memory
-    split = torch.cuda.memory_stats(DEVICE).get("inactive_split_bytes.large_pool.current", 0)
-    if split:  # a free remainder of a live segment could take the call's allocations below the cap
-        raise AssertionError(f"premise: {split} free bytes inside live large segments after empty_cache")
     cap = torch.cuda.memory_reserved(DEVICE) + extra_bytes
     index = torch.cuda.current_device()  # set_per_process_memory_fraction takes no index-less "cuda"
     torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), index)
@@ -195,6 +208,7 @@ def memory_cap(extra_bytes):
         yield
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
+        del ballast
 
 
 def expect_out_of_memory(fn, name):
