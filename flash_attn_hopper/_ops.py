@@ -307,7 +307,9 @@ _OP_DOCS = {
     Dense attention forward. q: (batch, seqlen_q, nheads, head_dim); k: (batch, seqlen_k, nheads_k, head_dim);
     v: (batch, seqlen_k, nheads_k, head_dim_v); fp16 or bf16, on one sm90 GPU (copied where TMA cannot read the
     strides). doc_bounds: None, or a contiguous int32 (batch, seqlen, 2) tensor holding, per position, the first
-    position of its document and one past the last (self-attention; interface.document_bounds makes it).
+    position of its document and one past the last (self-attention; interface.document_bounds makes it). Its
+    values are trusted: other values give unspecified results, never a read out of bounds or a hang (the
+    deterministic backward reads the runs of equal pairs: doc_bounds_partition).
     Returns out (batch, seqlen_q, nheads, head_dim_v) in q's dtype and lse (batch, nheads, seqlen_q) float32, the
     natural-log log-sum-exp of each row of scaled scores (-inf and a zero out row for a row that sees no key)."""
     + _COMMON,
@@ -316,7 +318,8 @@ _OP_DOCS = {
 
     Dense attention backward. dout, out: (batch, seqlen_q, nheads, head_dim_v) in q's dtype; q, k, v as for fwd;
     lse: fwd's float32 (batch, nheads, seqlen_q); dlse: None or the float32 gradient of lse (same shape: dS gains
-    P ∘ dLSE). The other arguments must be fwd's. Returns dq, dk, dv shaped and typed as q, k, v (GQA: dk, dv summed
+    P ∘ dLSE). The other arguments must be fwd's (deterministic=True reads doc_bounds as doc_bounds_partition of
+    them). Returns dq, dk, dv shaped and typed as q, k, v (GQA: dk, dv summed
     over each group's query heads)."""
     + _COMMON,
     "fwd_varlen": """fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
@@ -345,6 +348,13 @@ _OP_DOCS = {
     The forward's tile height (query rows per CTA tile: 128 or 192 at head_dim 64, else 128) that the launcher picks
     for this problem on a GPU with num_sms SMs (FAH_FWD_BLOCK_M forces it). Arguments as fwd's; raises RuntimeError
     for values the forward would refuse.""",
+    "doc_bounds_partition": """doc_bounds_partition(doc_bounds) -> Tensor
+
+    doc_bounds (int32 (batch, seqlen, 2), any device, any layout) read as the runs of equal consecutive
+    [doc_start, doc_end] pairs of each row: a new contiguous int32 tensor holding each position's run. The identity
+    on bounds made from document ids (interface.document_bounds); the deterministic backward (bwd) reads its bounds
+    this way, so that bounds which are no partition cannot make it wait for a turn that never comes. Raises
+    RuntimeError for another dtype or shape.""",
 }
 
 

@@ -197,6 +197,7 @@ def test_load_advice_names_the_cause(reason, advice):
     ("bwd_varlen", ["(nheads, total_q)", "zero gradients"]),
     ("build_config", ["head_dims="]),
     ("fwd_block_m", ["num_sms", "128 or 192"]),
+    ("doc_bounds_partition", ["int32 (batch, seqlen, 2)", "RuntimeError"]),
 ])
 def test_ops_have_docstrings(name, words):
     """help(torch.ops.flash_attn_hopper.<op>) tells shapes, dtypes and errors (the C++ schemas carry no text)."""

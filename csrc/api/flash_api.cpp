@@ -15,8 +15,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -348,10 +353,33 @@ struct Documents {
   int const* bounds = nullptr;
 };
 
+// The bounds of the runs of equal consecutive [doc_start, doc_end] pairs of each row: the identity on bounds made from
+// document ids (interface.document_bounds: one pair per document), and a partition of each row whatever the values.
+// The deterministic backward needs one: its dQ turns count the key blocks that a query block's row-side hull reaches,
+// and only for a partition does each of them visit that query block through its own key-side hull (a turn that never
+// comes is a hang, as for cu_seqlens in monotone_offsets). Any device, so that CPU tests can run it.
+at::Tensor doc_bounds_partition(at::Tensor const& b) {
+  TORCH_CHECK(b.scalar_type() == at::kInt && b.dim() == 3 && b.size(2) == 2,
+              "doc_bounds must be an int32 (batch, seqlen, 2) tensor");
+  int64_t const batch = b.size(0), seqlen = b.size(1);
+  if (seqlen == 0) { return b.clone(at::MemoryFormat::Contiguous); }
+  at::Tensor starts = at::ones({batch, seqlen}, b.options().dtype(at::kBool));
+  if (seqlen > 1) { starts.slice(1, 1).copy_(b.slice(1, 1).ne(b.slice(1, 0, seqlen - 1)).any(-1)); }
+  at::Tensor const pos = at::arange(seqlen, b.options()).expand({batch, seqlen});
+  at::Tensor const doc_start = std::get<0>(at::where(starts, pos, 0).cummax(1));
+  // doc_end[i]: the first start after i, else seqlen
+  at::Tensor const after = at::cat({at::where(starts, pos, seqlen).slice(1, 1), at::full({batch, 1}, seqlen,
+                                                                                            b.options())}, 1);
+  at::Tensor const doc_end = std::get<0>(after.flip({1}).cummin(1)).flip({1});
+  return at::stack({doc_start, doc_end}, -1).to(at::kInt).contiguous();
+}
+
 // doc_bounds: None, or the int32 (batch, seqlen, 2) [doc_start, doc_end] tensor that flash_attn_hopper's Python layer
 // derives from document_ids (interface._document_bounds). Its values are trusted: the kernels clamp every index they
-// read into the row, so bad values cannot make them read out of bounds.
-Documents check_documents(std::optional<at::Tensor> const& doc_bounds, at::Tensor const& q, at::Tensor const& k) {
+// read into the row, so bad values cannot make them read out of bounds; partition (the deterministic backward) takes
+// doc_bounds_partition of them, so bad values cannot make it hang either.
+Documents check_documents(std::optional<at::Tensor> const& doc_bounds, at::Tensor const& q, at::Tensor const& k,
+                          bool partition = false) {
   if (!doc_bounds.has_value()) { return {}; }
   at::Tensor const& b = *doc_bounds;
   TORCH_CHECK(q.size(1) == k.size(1), "documents need self-attention lengths: seqlen_q ", q.size(1),
@@ -359,6 +387,10 @@ Documents check_documents(std::optional<at::Tensor> const& doc_bounds, at::Tenso
   TORCH_CHECK(b.is_cuda() && b.device() == q.device() && b.scalar_type() == at::kInt && b.is_contiguous() &&
                   b.dim() == 3 && b.size(0) == q.size(0) && b.size(1) == q.size(1) && b.size(2) == 2,
               "doc_bounds must be a contiguous int32 (batch, seqlen, 2) tensor on q's device");
+  if (partition) {
+    at::Tensor const parts = doc_bounds_partition(b);  // a fresh allocation: aligned
+    return {parts, parts.data_ptr<int>()};
+  }
   // The kernels read a position's [doc_start, doc_end] as one int2 (8-byte) load. A contiguous int32 tensor may sit
   // 4 bytes off: a slice of a larger buffer, or one handed back by saved-tensor hooks (an offloader's arena); copy it.
   if (reinterpret_cast<uintptr_t>(b.data_ptr()) % (2 * sizeof(int)) != 0) {
@@ -594,7 +626,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
                                                    std::optional<at::Tensor> const& doc_bounds) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
-  Documents const docs = check_documents(doc_bounds, q_in, k_in);
+  Documents const docs = check_documents(doc_bounds, q_in, k_in, deterministic);
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim_v = v_in.size(3);
   check_qkv(out_in, "out", q_in, head_dim_v);
   check_qkv(dout_in, "dout", q_in, head_dim_v);
@@ -783,10 +815,12 @@ struct AttentionAutograd : public torch::autograd::Function<AttentionAutograd> {
     auto const saved = ctx->get_saved_variables();
     auto const [dout, dlse] = output_grads(grads, saved[3]);
     ScoreArgs const a = ScoreArgs::load(ctx);
+    // Saved-tensor hooks may hand back the LSE and the bounds in another layout; the op takes them contiguous.
     auto [dq, dk, dv] = bwd_op()
-                            .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dlse, a.softmax_scale,
-                                  a.causal, a.window_left, a.window_right, a.softcap, a.deterministic,
-                                  saved[5].defined() ? std::optional<at::Tensor>(saved[5]) : std::nullopt);
+                            .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4].contiguous(), dlse,
+                                  a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
+                                  a.deterministic,
+                                  saved[5].defined() ? std::optional<at::Tensor>(saved[5].contiguous()) : std::nullopt);
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor()};
   }
@@ -814,7 +848,8 @@ struct AttentionVarlenAutograd : public torch::autograd::Function<AttentionVarle
     auto const [dout, dlse] = output_grads(grads, saved[3]);
     ScoreArgs const a = ScoreArgs::load(ctx);
     auto [dq, dk, dv] = bwd_varlen_op()
-                            .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dlse, saved[5], saved[6],
+                            .call(dout, saved[0], saved[1], saved[2], saved[3], saved[4].contiguous(), dlse,
+                                  saved[5].contiguous(), saved[6].contiguous(),  // as in AttentionAutograd
                                   ctx->saved_data["max_seqlen_q"].toSymInt(), ctx->saved_data["max_seqlen_k"].toSymInt(),
                                   a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap,
                                   a.deterministic);
@@ -902,6 +937,7 @@ TORCH_LIBRARY(flash_attn_hopper, m) {
       " bool causal, int window_left, int window_right, float softcap, bool deterministic)"
       " -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("build_config() -> str", &build_config);
+  m.def("doc_bounds_partition(Tensor doc_bounds) -> Tensor");
   m.def(
       "fwd_block_m(int head_dim, int head_dim_v, int batch, int nheads, int seqlen_q, int seqlen_k, bool causal,"
       " int window_left, int window_right, int num_sms) -> int",
@@ -913,6 +949,10 @@ TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) {
   m.impl("fwd_varlen", &fwd_varlen);
   m.impl("bwd_varlen", &bwd_varlen);
   m.impl("bwd", &bwd);
+}
+
+TORCH_LIBRARY_IMPL(flash_attn_hopper, CompositeExplicitAutograd, m) {
+  m.impl("doc_bounds_partition", &doc_bounds_partition);
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_hopper, Autograd, m) {

@@ -1,0 +1,143 @@
+"""The deterministic backward on document bounds that are no partition, and saved LSE / bounds / cu_seqlens that
+come back from saved-tensor hooks in another layout (GPU part; tests/test_doc_bounds_partition_cpu.py has the CPU
+part and the history).
+
+A static audit after round 37 (tests/bug_report_sources.md, "Thirty-seventh round") found, by reading:
+- the deterministic backward spun forever on doc_bounds whose query- and key-side hulls disagree (a direct op call
+  given (start, length) pairs, say): its dQ turns waited for key blocks that never visit the tile. The op now reads
+  the bounds as their partition (csrc/api/flash_api.cpp doc_bounds_partition). Here, in a child process with a time
+  limit (a hang fails the test instead of stopping the run): the audit's bounds and random bad ones, dense and GQA,
+  causal or not; the deterministic backward returns, bitwise the backward given the partition itself, and the op
+  computes the same partition on the GPU as on the CPU;
+- the autograd backward handed the op its saved LSE, bounds and cu_seqlens as the hooks restored them, and the op
+  refuses tensors that are not contiguous (a RuntimeError in the backward of a working forward). It now makes them
+  contiguous. Here hooks restore them with other strides (the same values), and out, LSE, dQ, dK, dV are checked by
+  the rule.
+Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py), and per test when the build
+lacks a head_dim / dtype."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gpu_helpers
+from gpu_helpers import GRAD_NAMES, assert_same_bits, randn, require_built
+from test_bug_reports_thirtyseventh_gpu import Problem, document_ids, lse_like
+from test_doc_bounds_partition_cpu import bad_bounds
+
+pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
+
+DEVICE = "cuda"
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+TIMEOUT = 120  # seconds; a child takes a few (import, CUDA initialisation, small problems)
+
+# (id, batch, seqlen, nheads, nheads_k, head_dim, dtype, causal, bounds: "audit" or a seed of bad_bounds)
+CASES = [
+    ("audit-bf16", 1, 512, 1, 1, 128, "bf16", False, "audit"),
+    ("audit-fp16-causal", 1, 512, 2, 1, 128, "fp16", True, "audit"),
+    ("random-gqa-hdim64", 2, 700, 6, 2, 64, "fp16", True, 11),
+    ("random-hdim128", 3, 641, 4, 4, 128, "bf16", False, 12),
+    ("random-hdim256-causal", 2, 385, 2, 1, 256, "bf16", True, 13),
+]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+CHILD = """
+import sys
+import test_doc_bounds_partition_gpu as t
+t.child(sys.argv[1])
+print("done")
+"""
+
+
+def audit_bounds():
+    """(0, 400) for rows 0-399, (400, 112) for rows 400-511: (start, length) where (start, end) was meant."""
+    return torch.tensor([[0, 400]] * 400 + [[400, 112]] * 112, dtype=torch.int32)[None]
+
+
+def child(case_id):
+    """The case in this process: forward, then the deterministic backward on the bad bounds and on their partition
+    (bitwise the same), the non-deterministic backward on the bad bounds (it returns)."""
+    _, batch, seqlen, nheads, nheads_k, head_dim, dtype_name, causal, which = next(c for c in CASES if c[0] == case_id)
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(seqlen * 7 + nheads)
+    q, dout = (randn(batch, seqlen, nheads, head_dim, dtype=dtype) for _ in range(2))
+    k, v = (randn(batch, seqlen, nheads_k, head_dim, dtype=dtype) for _ in range(2))
+    host = audit_bounds() if which == "audit" else bad_bounds(torch.Generator().manual_seed(which), batch, seqlen)
+    bounds = host.expand(batch, -1, -1).contiguous().to(DEVICE)
+    ops = torch.ops.flash_attn_hopper
+    parts = ops.doc_bounds_partition(bounds)
+    assert_same_bits(parts.cpu(), ops.doc_bounds_partition(bounds.cpu()), f"{case_id} partition on the GPU")
+    if torch.equal(parts, bounds):
+        raise AssertionError(f"{case_id}: premise: the bounds are a partition already")
+    # (softmax_scale, causal, window_left, window_right, softcap, deterministic)
+    args = (head_dim ** -0.5, causal, -1, 0 if causal else -1, 0.0)
+    out, lse = ops.fwd(q, k, v, *args, False, doc_bounds=bounds)
+    dlse = lse_like(q)
+    bad = ops.bwd(dout, q, k, v, out, lse, dlse, *args, True, doc_bounds=bounds)
+    good = ops.bwd(dout, q, k, v, out, lse, dlse, *args, True, doc_bounds=parts)
+    ops.bwd(dout, q, k, v, out, lse, dlse, *args, False, doc_bounds=bounds)
+    torch.cuda.synchronize()
+    for name, a, b in zip(GRAD_NAMES, bad, good):
+        assert_same_bits(a, b, f"{case_id} {name}", " (the deterministic backward did not read the partition)")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_deterministic_backward_on_bounds_that_are_no_partition(case):
+    require_built(case[5], DTYPES[case[6]])
+    script = gpu_helpers.CHILD_PRELUDE + f"sys.path.insert(0, {TESTS!r})\n" + CHILD
+    try:
+        r = subprocess.run([sys.executable, "-c", script, case[0]], capture_output=True, text=True, timeout=TIMEOUT,
+                           cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{case[0]}: the child ran past {TIMEOUT} s (a hang)\n{e.stdout}\n{e.stderr}")
+    assert r.returncode == 0 and "done" in r.stdout, f"{case[0]}: rc {r.returncode}\n{r.stdout[-3000:]}\n" \
+                                                      f"{r.stderr[-6000:]}"
+
+
+def other_strides(t):
+    """t's values with other strides: the LSE and the bounds with their dimensions stored in reverse order, a 1-D
+    tensor (cu_seqlens) every other element of a buffer; the 16-bit tensors as they are."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t
+    if t.dim() == 1:
+        buf = torch.empty(2 * t.numel(), dtype=t.dtype, device=t.device)
+        r = buf[::2]
+    else:
+        dims = list(range(t.dim()))[::-1]
+        r = torch.empty([t.shape[d] for d in dims], dtype=t.dtype, device=t.device).permute(dims)
+    r.copy_(t)
+    return r
+
+
+@pytest.mark.parametrize("workload", ["dense-documents", "varlen"])
+def test_saved_lse_bounds_and_cu_seqlens_restored_with_other_strides(workload):
+    require_built(96, torch.bfloat16)
+    restored = []
+
+    def unpack(t):
+        r = other_strides(t)
+        restored.append(r)
+        return r
+
+    if workload == "varlen":
+        lq, lk = (1, 130, 0, 77), (40, 129, 33, 77)
+        q, dout = randn(sum(lq), 4, 96, dtype=torch.bfloat16), randn(sum(lq), 4, 96, dtype=torch.bfloat16)
+        k, v = (randn(sum(lk), 2, 96, dtype=torch.bfloat16) for _ in range(2))
+        varlen = (gpu_helpers.cu_seqlens(lq), gpu_helpers.cu_seqlens(lk), max(lq), max(lk))
+        p = Problem(q, k, v, dout, lse_like(q), dict(window_size=(50, 10), deterministic=True), varlen)
+    else:
+        q, k, v, dout = (randn(2, 300, 4, 96, dtype=torch.bfloat16) for _ in range(4))
+        p = Problem(q, k, v, dout, lse_like(q), dict(causal=True, softcap=20.0, deterministic=True,
+                                                     document_ids=document_ids([(100, 150, 50), (300,)])))
+    leaves = [t.detach().requires_grad_(True) for t in (p.q, p.k, p.v)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        out, lse = p.call(leaves, **p.opts)
+    grads = torch.autograd.grad([out, lse], leaves, [p.dout, p.dlse])
+    others = [r for r in restored if r.dtype in (torch.float32, torch.int32)]
+    if not (others and all(not r.is_contiguous() for r in others)):
+        raise AssertionError(f"{workload}: premise: the LSE / bounds / cu_seqlens came back contiguous")
+    p.check(out.detach(), lse.detach(), grads, workload, **p.opts)
