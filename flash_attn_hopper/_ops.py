@@ -319,8 +319,7 @@ _OP_DOCS = {
     Dense attention backward. dout, out: (batch, seqlen_q, nheads, head_dim_v) in q's dtype; q, k, v as for fwd;
     lse: fwd's float32 (batch, nheads, seqlen_q); dlse: None or the float32 gradient of lse (same shape: dS gains
     P ∘ dLSE). The other arguments must be fwd's (deterministic=True reads doc_bounds as doc_bounds_partition of
-    them). Returns dq, dk, dv shaped and typed as q, k, v (GQA: dk, dv summed
-    over each group's query heads)."""
+    them). Returns dq, dk, dv shaped and typed as q, k, v (GQA: dk, dv summed over each group's query heads)."""
     + _COMMON,
     "fwd_varlen": """fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
     window_left, window_right, softcap, deterministic) -> (out, lse)
