@@ -47,6 +47,24 @@ def test_gt_workloads_build(on_cpu):
     assert exact.q.abs().max() < 65504, "inputs inside fp16's range"
 
 
+def test_exact_pass_check_takes_the_top_key_and_refuses_one_ulp(on_cpu):
+    """The exact-pass workload's check (P one-hot by construction): the top key's V row and score pass, bit for bit;
+    one ulp off in one element of out, or an LSE off by 4, fails."""
+    exact = gpu_file.gt_workloads()[-1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", exact.q.double(), exact.k.double()) * exact.q.shape[-1] ** -0.5
+    best = scores.max(-1)
+    v = exact.v.permute(0, 2, 1, 3)
+    out = v.gather(2, best.indices[..., None].expand(-1, -1, -1, v.shape[-1])).permute(0, 2, 1, 3).contiguous()
+    lse = best.values.float()
+    exact.check((out, lse))
+    off = out.clone()
+    off.view(torch.int16)[0, 3, 1, 7] += 1
+    with pytest.raises(AssertionError, match="elements differ"):
+        exact.check((off, lse))
+    with pytest.raises(AssertionError, match="LSE differs"):
+        exact.check((out, lse + 4.0))
+
+
 @pytest.mark.parametrize("group", gpu_file.GV_GROUPS)
 def test_gv_workloads_build(on_cpu, group):
     for w in gpu_file.gv_workloads(group):
