@@ -19,6 +19,29 @@ from flash_attn_hopper.interface import kernel_head_dim
 # source tree) ahead of anything else.
 CHILD_PRELUDE = (f"import sys; sys.path.insert(0, "
                  f"{os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))!r})\n")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_child(script, *args, name, timeout, env=None):
+    """Runs `script` (Python source; CHILD_PRELUDE and this folder on sys.path first, so it can import the test
+    modules) with `args` in a fresh interpreter, in the repository root, with `env` (default: this process's). A
+    child that exits 0 after printing a line "SKIP: why" skips the test with that reason; past `timeout` seconds (a
+    hang), a non-zero exit or no "done" in its output fails it, named `name`. Returns the child's stdout."""
+    import subprocess
+    import sys
+
+    source = CHILD_PRELUDE + f"sys.path.insert(0, {TESTS!r})\n" + script
+    try:
+        r = subprocess.run([sys.executable, "-c", source, *args], capture_output=True, text=True, timeout=timeout,
+                           env=env, cwd=os.path.dirname(TESTS))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{name}: the child ran past {timeout} s (a hang)\n{e.stdout}\n{e.stderr}")
+    for line in r.stdout.splitlines() if r.returncode == 0 else ():
+        if line.startswith("SKIP: "):
+            pytest.skip(line[len("SKIP: "):])
+    if not (r.returncode == 0 and "done" in r.stdout):
+        raise AssertionError(f"{name}: rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    return r.stdout
 
 DTYPES = [torch.float16, torch.bfloat16]
 

@@ -59,7 +59,6 @@ test when the build lacks a head_dim / dtype. tests/test_bug_reports_thirtyeight
 
 import contextlib
 import os
-import subprocess
 import sys
 
 import pytest
@@ -73,8 +72,6 @@ pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 DEVICE = "cuda"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
-TESTS = os.path.dirname(os.path.abspath(__file__))
 CHILD_TIMEOUT = 120  # seconds: a child takes ~10 (import, CUDA initialisation, small problems); a hang fails by name
 FP16_MAX = 65504.0
 EXACT_PASS_GAP = 20.0  # natural units: exp(-20) * 150 keys is far below half an fp16 ulp of the top key's V
@@ -334,21 +331,10 @@ print("done")
 
 
 def run_child(*args):
-    """Runs CHILD_SCRIPT with args (a child function of this module and its arguments); skips when the child says
-    green contexts are missing, fails by name on a non-zero exit or past CHILD_TIMEOUT (a hang)."""
-    script = gpu_helpers.CHILD_PRELUDE + f"sys.path.insert(0, {TESTS!r})\n" + CHILD_SCRIPT
-    name = " ".join(args)
-    try:
-        r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                           timeout=CHILD_TIMEOUT, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{name}: the child ran past {CHILD_TIMEOUT} s (a grid waiting on CTAs that cannot run?)\n"
-                    f"{e.stdout}\n{e.stderr}")
-    for line in r.stdout.splitlines():
-        if r.returncode == 0 and line.startswith("SKIP: "):
-            pytest.skip(line[len("SKIP: "):])
-    assert r.returncode == 0 and "done" in r.stdout, f"{name}: rc {r.returncode}\n{r.stdout[-3000:]}\n" \
-                                                      f"{r.stderr[-6000:]}"
+    """CHILD_SCRIPT with args (a child function of this module and its arguments): skips when the child says green
+    contexts are missing, fails by name on a non-zero exit or past CHILD_TIMEOUT (a hang: a grid waiting on CTAs
+    that cannot run?)."""
+    gpu_helpers.run_child(CHILD_SCRIPT, *args, name=" ".join(args), timeout=CHILD_TIMEOUT)
 
 
 def _require(pairs):

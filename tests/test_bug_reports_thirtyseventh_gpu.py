@@ -51,8 +51,6 @@ its references need. tests/test_bug_reports_thirtyseventh_cpu.py checks the prem
 import contextlib
 import gc
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -67,8 +65,6 @@ pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 DEVICE = "cuda"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MiB = 2**20
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(flash_attn_hopper.__file__)))
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 class Problem:
@@ -535,14 +531,7 @@ def test_other_allocator_configurations(config, group):
     for head_dim in (64, 128):
         for dtype in DTYPES.values():
             require_built(head_dim, dtype)
-    script = gpu_helpers.CHILD_PRELUDE + f"sys.path.insert(0, {TESTS!r})\n" + GS_SCRIPT
     env = {key: val for key, val in os.environ.items()
            if key not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")}
     env["PYTORCH_ALLOC_CONF"] = GS_CONFIGS[config]
-    try:
-        r = subprocess.run([sys.executable, "-c", script, config, group], capture_output=True, text=True,
-                           timeout=GS_TIMEOUT, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{config} {group}: the child ran past {GS_TIMEOUT} s\n{e.stdout}\n{e.stderr}")
-    assert r.returncode == 0 and "done" in r.stdout, f"{config} {group}: rc {r.returncode}\n{r.stdout[-3000:]}\n" \
-                                                      f"{r.stderr[-6000:]}"
+    gpu_helpers.run_child(GS_SCRIPT, config, group, name=f"{config} {group}", timeout=GS_TIMEOUT, env=env)

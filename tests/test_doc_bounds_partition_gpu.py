@@ -16,9 +16,6 @@ A static audit after round 37 (tests/bug_report_sources.md, "Thirty-seventh roun
 Skipped, with the reason, without an sm90 GPU and the built extension (conftest.py), and per test when the build
 lacks a head_dim / dtype."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,8 +28,6 @@ from test_doc_bounds_partition_cpu import bad_bounds
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 DEVICE = "cuda"
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
 TIMEOUT = 120  # seconds; a child takes a few (import, CUDA initialisation, small problems)
 
 # (id, batch, seqlen, nheads, nheads_k, head_dim, dtype, causal, bounds: "audit" or a seed of bad_bounds)
@@ -46,7 +41,6 @@ CASES = [
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 CHILD = """
-import sys
 import test_doc_bounds_partition_gpu as t
 t.child(sys.argv[1])
 print("done")
@@ -88,14 +82,7 @@ def child(case_id):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_deterministic_backward_on_bounds_that_are_no_partition(case):
     require_built(case[5], DTYPES[case[6]])
-    script = gpu_helpers.CHILD_PRELUDE + f"sys.path.insert(0, {TESTS!r})\n" + CHILD
-    try:
-        r = subprocess.run([sys.executable, "-c", script, case[0]], capture_output=True, text=True, timeout=TIMEOUT,
-                           cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{case[0]}: the child ran past {TIMEOUT} s (a hang)\n{e.stdout}\n{e.stderr}")
-    assert r.returncode == 0 and "done" in r.stdout, f"{case[0]}: rc {r.returncode}\n{r.stdout[-3000:]}\n" \
-                                                      f"{r.stderr[-6000:]}"
+    gpu_helpers.run_child(CHILD, case[0], name=case[0], timeout=TIMEOUT)
 
 
 def other_strides(t):
