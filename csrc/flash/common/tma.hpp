@@ -29,19 +29,30 @@ auto make_qkv_gmem(void const* ptr, int seqlen, int head_dim, int nheads, int ba
   return cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(ptr)), cute::make_layout(shape, stride));
 }
 
-// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) once per (kernel, device): it costs microseconds and the
-// launchers run on every call. Tag: a type unique to the kernel (its traits and variant).
+// The kernel's dynamic shared-memory limit, set once per (kernel, device): it costs microseconds and the launchers
+// run on every call. cudaFuncSetAttribute sets it only in the calling thread's current context, so a kernel first
+// launched in another context (a green context, a context pushed by the caller) would keep the 48 KiB default and
+// fail to launch; the context-independent kernel handle takes the limit for every context on the device.
+// Tag: a type unique to the kernel (its traits and variant).
 template <class Tag, class Kernel>
 cudaError_t set_max_dynamic_smem_once(Kernel kernel, int bytes) {
-  static std::atomic<uint64_t> done_devices{0};  // bit d: done on device d (devices past 63 always set it)
+  static std::atomic<uint64_t> done_devices{0};  // bit d: done on device d (devices past 63 set it every call)
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) { return err; }
   uint64_t const bit = device < 64 ? uint64_t(1) << device : 0;
   if (bit != 0 && (done_devices.load(std::memory_order_relaxed) & bit)) { return cudaSuccess; }
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess) { done_devices.fetch_or(bit, std::memory_order_relaxed); }
-  return err;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);  // the current context
+  if (err != cudaSuccess) { return err; }
+  cudaKernel_t handle = nullptr;
+  if (cudaGetKernel(&handle, kernel) != cudaSuccess ||
+      cudaKernelSetAttributeForDevice(handle, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes, device) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();  // no kernel handles (older driver): set it again on every call, whatever the context
+    return cudaSuccess;
+  }
+  done_devices.fetch_or(bit, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 }  // namespace flash
