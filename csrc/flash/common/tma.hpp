@@ -44,15 +44,17 @@ cudaError_t set_max_dynamic_smem_once(Kernel kernel, int bytes) {
   if (bit != 0 && (done_devices.load(std::memory_order_relaxed) & bit)) { return cudaSuccess; }
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);  // the current context
   if (err != cudaSuccess) { return err; }
+#if CUDART_VERSION >= 12050  // the runtime's kernel handles
   cudaKernel_t handle = nullptr;
-  if (cudaGetKernel(&handle, kernel) != cudaSuccess ||
-      cudaKernelSetAttributeForDevice(handle, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes, device) !=
+  if (cudaGetKernel(&handle, kernel) == cudaSuccess &&
+      cudaKernelSetAttributeForDevice(handle, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes, device) ==
           cudaSuccess) {
-    (void)cudaGetLastError();  // no kernel handles (older driver): set it again on every call, whatever the context
+    done_devices.fetch_or(bit, std::memory_order_relaxed);
     return cudaSuccess;
   }
-  done_devices.fetch_or(bit, std::memory_order_relaxed);
-  return cudaSuccess;
+  (void)cudaGetLastError();  // the failed call's error, not a launch's
+#endif
+  return cudaSuccess;  // not cached: set again on every call, so in whatever context is current
 }
 
 }  // namespace flash
