@@ -9,6 +9,9 @@ A static audit after round 37 (tests/bug_report_sources.md, "Thirty-seventh roun
   limit (a hang fails the test instead of stopping the run): the audit's bounds and random bad ones, dense and GQA,
   causal or not; the deterministic backward returns, bitwise the backward given the partition itself, and the op
   computes the same partition on the GPU as on the CPU;
+- the partition's CUDA kernel (csrc/api/varlen_rows.cu, session 72; it replaced ~14 ATen ops per call): bitwise the
+  CPU reference and the brute force, across its 1024-position chunks, runs that cross them, and inputs that are not
+  contiguous or sit 4 bytes off an int2 boundary;
 - the autograd backward handed the op its saved LSE, bounds and cu_seqlens as the hooks restored them, and the op
   refuses tensors that are not contiguous (a RuntimeError in the backward of a working forward). It now makes them
   contiguous. Here hooks restore them with other strides (the same values), and out, LSE, dQ, dK, dV are checked by
@@ -23,7 +26,9 @@ import torch
 import gpu_helpers
 from gpu_helpers import GRAD_NAMES, assert_same_bits, randn, require_built
 from test_bug_reports_thirtyseventh_gpu import Problem, document_ids, lse_like
-from test_doc_bounds_partition_cpu import bad_bounds
+from test_doc_bounds_partition_cpu import bad_bounds, random_ids, runs_of_equal_pairs
+
+from flash_attn_hopper.interface import document_bounds
 
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
@@ -128,3 +133,52 @@ def test_saved_lse_bounds_and_cu_seqlens_restored_with_other_strides(workload):
     if not (others and all(not r.is_contiguous() for r in others)):
         raise AssertionError(f"{workload}: premise: the LSE / bounds / cu_seqlens came back contiguous")
     p.check(out.detach(), lse.detach(), grads, workload, **p.opts)
+
+
+def partition_inputs():
+    """(id, int32 (batch, seqlen, 2) CPU bounds): lengths at and around the kernel's 1024-position chunk, runs longer
+    than a chunk, runs of one position, bad values, bounds made from ids."""
+    g = torch.Generator().manual_seed(72)
+    one_long_run = torch.tensor([[0, 3000]] * 3000 + [[3000, 3010]] * 10, dtype=torch.int32)[None]
+    distinct = torch.randint(-5, 5000, (2, 2049, 2), generator=g, dtype=torch.int32)  # runs of one, mostly
+    return [
+        ("one-position", bad_bounds(g, 3, 1)),
+        ("chunk", bad_bounds(g, 2, 1024)),
+        ("chunk+1", bad_bounds(g, 2, 1025)),
+        ("bad-5000", bad_bounds(g, 1, 5000)),
+        ("run-across-chunks", one_long_run),
+        ("distinct-2049", distinct),
+        ("ids-4099", document_bounds(random_ids(g, 3, 4099, 12))),
+        ("ids-one-document", document_bounds(torch.zeros(2, 2500, dtype=torch.int64))),
+    ]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "not-contiguous", "4-bytes-off"])
+@pytest.mark.parametrize("case", partition_inputs(), ids=lambda c: c[0])
+def test_partition_kernel_matches_the_cpu_reference(case, layout):
+    name, host = case
+    if layout == "contiguous":
+        bounds = host.to(DEVICE)
+    elif layout == "not-contiguous":
+        bounds = torch.empty(host.shape[2], host.shape[1], host.shape[0], dtype=torch.int32,
+                             device=DEVICE).permute(2, 1, 0)
+        bounds.copy_(host)
+    else:
+        buf = torch.empty(host.numel() + 1, dtype=torch.int32, device=DEVICE)
+        bounds = buf[1:].view(host.shape)
+        bounds.copy_(host)
+        if bounds.data_ptr() % 8 == 0:
+            raise AssertionError("premise: the bounds sit on an int2 boundary")
+    before = bounds.clone()
+    got = torch.ops.flash_attn_hopper.doc_bounds_partition(bounds)
+    torch.cuda.synchronize()
+    assert got.is_contiguous() and got.dtype == torch.int32 and got.shape == host.shape
+    assert_same_bits(got.cpu(), torch.ops.flash_attn_hopper.doc_bounds_partition(host), f"{name} {layout}")
+    assert_same_bits(got.cpu(), runs_of_equal_pairs(host), f"{name} {layout} brute force")
+    assert_same_bits(bounds, before, f"{name} {layout}: the input changed")
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2), (2, 0, 2), (0, 0, 2)])
+def test_partition_kernel_on_empty_bounds(shape):
+    got = torch.ops.flash_attn_hopper.doc_bounds_partition(torch.zeros(shape, dtype=torch.int32, device=DEVICE))
+    assert got.shape == shape and got.device.type == "cuda"

@@ -357,12 +357,23 @@ struct Documents {
 // document ids (interface.document_bounds: one pair per document), and a partition of each row whatever the values.
 // The deterministic backward needs one: its dQ turns count the key blocks that a query block's row-side hull reaches,
 // and only for a partition does each of them visit that query block through its own key-side hull (a turn that never
-// comes is a hang, as for cu_seqlens in monotone_offsets). Any device, so that CPU tests can run it.
+// comes is a hang, as for cu_seqlens in monotone_offsets). CUDA tensors: one kernel (varlen_rows.cu); other devices
+// (the CPU tests' reference, meta): ATen ops.
 at::Tensor doc_bounds_partition(at::Tensor const& b) {
   TORCH_CHECK(b.scalar_type() == at::kInt && b.dim() == 3 && b.size(2) == 2,
               "doc_bounds must be an int32 (batch, seqlen, 2) tensor");
   int64_t const batch = b.size(0), seqlen = b.size(1);
-  if (seqlen == 0) { return b.clone(at::MemoryFormat::Contiguous); }
+  if (seqlen == 0 || batch == 0) { return b.clone(at::MemoryFormat::Contiguous); }
+  if (b.is_cuda()) {
+    TORCH_CHECK(seqlen <= INT32_MAX && batch <= INT32_MAX, "doc_bounds: batch and seqlen must be below 2^31");
+    c10::cuda::CUDAGuard guard(b.device());
+    at::Tensor const in = b.contiguous();
+    at::Tensor out = at::empty({batch, seqlen, 2}, b.options());
+    cudaError_t const err = flash::doc_bounds_partition(in.data_ptr<int>(), out.data_ptr<int>(), batch, int(seqlen),
+                                                        c10::cuda::getCurrentCUDAStream(b.device().index()).stream());
+    TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper: doc_bounds_partition failed: ", cudaGetErrorString(err));
+    return out;
+  }
   at::Tensor starts = at::ones({batch, seqlen}, b.options().dtype(at::kBool));
   if (seqlen > 1) { starts.slice(1, 1).copy_(b.slice(1, 1).ne(b.slice(1, 0, seqlen - 1)).any(-1)); }
   at::Tensor const pos = at::arange(seqlen, b.options()).expand({batch, seqlen});
@@ -371,7 +382,7 @@ at::Tensor doc_bounds_partition(at::Tensor const& b) {
   at::Tensor const after = at::cat({at::where(starts, pos, seqlen).slice(1, 1), at::full({batch, 1}, seqlen,
                                                                                             b.options())}, 1);
   at::Tensor const doc_end = std::get<0>(after.flip({1}).cummin(1)).flip({1});
-  return at::stack({doc_start, doc_end}, -1).to(at::kInt).contiguous();
+  return at::stack({doc_start, doc_end}, -1);  // int32 (arange on b's options), contiguous
 }
 
 // doc_bounds: None, or the int32 (batch, seqlen, 2) [doc_start, doc_end] tensor that flash_attn_hopper's Python layer

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include <cub/block/block_scan.cuh>
+
 namespace {
 
 // tensor: (outer, rows, inner) contiguous elements of `Word`; each uncovered row of each outer slice gets `value`.
@@ -58,6 +60,68 @@ __global__ void monotone_offsets_kernel(int const* __restrict__ in, int* __restr
   }
 }
 
+// The running carry of a chunked block scan: cub calls it from the first warp with each chunk's total and applies
+// the value it returns (lane 0's) as the chunk's prefix.
+template <class Op>
+struct ScanCarry {
+  int carry;
+  __device__ int operator()(int total) {
+    int const before = carry;
+    carry = Op{}(carry, total);
+    return before;
+  }
+};
+struct MaxOp {
+  __device__ int operator()(int a, int b) const { return max(a, b); }
+};
+struct MinOp {
+  __device__ int operator()(int a, int b) const { return min(a, b); }
+};
+
+// One block per row of (batch, seqlen, 2) int32 pairs; `in` is read as ints (a caller's tensor may sit 4 bytes
+// off an int2 boundary). doc_start: a max-scan of the run starts, forwards; doc_end: a min-scan of the next run's
+// start, backwards. kItems consecutive positions per thread, so that a chunk is kThreads * kItems positions.
+template <int kThreads, int kItems>
+__global__ void __launch_bounds__(kThreads) doc_bounds_partition_kernel(int const* __restrict__ in,
+                                                                        int* __restrict__ out, int seqlen) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  int64_t const row = int64_t(blockIdx.x) * seqlen * 2;
+  int const* const b = in + row;
+  int* const o = out + row;
+  // whether a run of equal pairs starts at position i (0 < i < seqlen)
+  auto starts = [&](int64_t i) { return b[2 * i] != b[2 * i - 2] || b[2 * i + 1] != b[2 * i - 1]; };
+  constexpr int kChunk = kThreads * kItems;
+  ScanCarry<MaxOp> start_carry{0};  // 0 is the identity: positions are >= 0
+  for (int64_t base = 0; base < seqlen; base += kChunk) {
+    int v[kItems];
+    for (int j = 0; j < kItems; ++j) {
+      int64_t const i = base + int(threadIdx.x) * kItems + j;
+      v[j] = i < seqlen && (i == 0 || starts(i)) ? int(i) : 0;
+    }
+    Scan(temp).InclusiveScan(v, v, MaxOp{}, start_carry);
+    for (int j = 0; j < kItems; ++j) {
+      int64_t const i = base + int(threadIdx.x) * kItems + j;
+      if (i < seqlen) { o[2 * i] = v[j]; }
+    }
+    __syncthreads();  // temp is reused
+  }
+  ScanCarry<MinOp> end_carry{seqlen};  // seqlen is the identity: every next start is <= seqlen
+  for (int64_t base = 0; base < seqlen; base += kChunk) {
+    int v[kItems];
+    for (int j = 0; j < kItems; ++j) {
+      int64_t const i = seqlen - 1 - (base + int(threadIdx.x) * kItems + j);  // walking backwards
+      v[j] = i >= 0 && i + 1 < seqlen && starts(i + 1) ? int(i + 1) : seqlen;
+    }
+    Scan(temp).InclusiveScan(v, v, MinOp{}, end_carry);
+    for (int j = 0; j < kItems; ++j) {
+      int64_t const i = seqlen - 1 - (base + int(threadIdx.x) * kItems + j);
+      if (i >= 0) { o[2 * i + 1] = v[j]; }
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace
 
 namespace flash {
@@ -65,6 +129,13 @@ namespace flash {
 cudaError_t monotone_offsets(int const* cu_seqlens, int* out, int n, int total, cudaStream_t stream) {
   if (n <= 0) { return cudaSuccess; }
   monotone_offsets_kernel<<<1, 1024, 0, stream>>>(cu_seqlens, out, n, total);
+  return cudaGetLastError();
+}
+
+cudaError_t doc_bounds_partition(int const* bounds, int* out, int64_t batch, int seqlen, cudaStream_t stream) {
+  if (batch <= 0 || seqlen <= 0) { return cudaSuccess; }
+  if (batch > INT32_MAX) { return cudaErrorInvalidValue; }
+  doc_bounds_partition_kernel<256, 4><<<unsigned(batch), 256, 0, stream>>>(bounds, out, seqlen);
   return cudaGetLastError();
 }
 

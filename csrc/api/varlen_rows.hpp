@@ -16,4 +16,8 @@ cudaError_t fill_uncovered_rows(void* tensor, int word_bytes, uint32_t value_bit
 // are already non-negative, non-decreasing and within total come back unchanged.
 cudaError_t monotone_offsets(int const* cu_seqlens, int* out, int n, int total, cudaStream_t stream);
 
+// The runs of equal consecutive [doc_start, doc_end] pairs of each row of a contiguous int32 (batch, seqlen, 2) tensor,
+// written to out (same shape, contiguous, on the device): flash_api.cpp doc_bounds_partition on CUDA tensors.
+cudaError_t doc_bounds_partition(int const* bounds, int* out, int64_t batch, int seqlen, cudaStream_t stream);
+
 }  // namespace flash
