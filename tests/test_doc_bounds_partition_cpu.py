@@ -7,7 +7,8 @@ agree; for other values given to a direct op call (say (start, length) pairs ins
 counted in a turn never came, and the backward spun forever. The deterministic backward now reads the bounds as the
 runs of equal consecutive pairs of each row (a partition, identical to bounds made from ids).
 
-Checked here on CPU tensors (the function is device-agnostic ATen, registered as the op doc_bounds_partition): the
+Checked here on CPU tensors (the op doc_bounds_partition: ATen ops on CPU and meta tensors, the reference for its CUDA
+kernel, which tests/test_doc_bounds_partition_gpu.py compares with it): the
 identity on interface.document_bounds of random ids; on arbitrary values, the runs of equal pairs by brute force; the
 hulls of every query block and key block agreeing at the kernels' block sizes, which the raw bad bounds violate (the
 premise); the input left as it was; meta tensors. tests/test_doc_bounds_partition_gpu.py runs the backward on them.

@@ -139,7 +139,8 @@ def partition_inputs():
     """(id, int32 (batch, seqlen, 2) CPU bounds): lengths at and around the kernel's 1024-position chunk, runs longer
     than a chunk, runs of one position, bad values, bounds made from ids."""
     g = torch.Generator().manual_seed(72)
-    one_long_run = torch.tensor([[0, 3000]] * 3000 + [[3000, 3010]] * 10, dtype=torch.int32)[None]
+    # a short run first, so that a lost carry of either scan gives a wrong value inside the long run
+    one_long_run = torch.tensor([[0, 5]] * 5 + [[5, 3005]] * 3000 + [[3005, 3015]] * 10, dtype=torch.int32)[None]
     distinct = torch.randint(-5, 5000, (2, 2049, 2), generator=g, dtype=torch.int32)  # runs of one, mostly
     return [
         ("one-position", bad_bounds(g, 3, 1)),
@@ -163,6 +164,8 @@ def test_partition_kernel_matches_the_cpu_reference(case, layout):
         bounds = torch.empty(host.shape[2], host.shape[1], host.shape[0], dtype=torch.int32,
                              device=DEVICE).permute(2, 1, 0)
         bounds.copy_(host)
+        if bounds.is_contiguous():
+            raise AssertionError("premise: the permuted bounds are contiguous")
     else:
         buf = torch.empty(host.numel() + 1, dtype=torch.int32, device=DEVICE)
         bounds = buf[1:].view(host.shape)
