@@ -676,7 +676,7 @@ class _ValueNotes(_IdentityNotes):
     outside PyTorch's operators) are not seen until torch.autograd.graph.increment_version, so what is kept must never
     let a launch index past its tensors (cu_seqlens: the kernels get the values read). Inference-mode tensors have no
     version counter and are never kept.
-    A result that is itself a CUDA tensor is kept per stream (get and put with its ``device``): one made on another
+    A result that is itself a device tensor is kept per device and stream (get and put with its ``device``): one made on another
     stream would be neither ordered before this stream's kernels nor kept alive by the caching allocator for them."""
 
     MISSING = object()
@@ -684,7 +684,7 @@ class _ValueNotes(_IdentityNotes):
     def get(self, t, device=None, per_call=False):
         entry = super().get(t)  # (version, {stream handle or None: value})
         if entry is not None and entry[0] == self._version(t, per_call):
-            return entry[1].get(_stream_key(device), self.MISSING)
+            return entry[1].get(_result_key(device), self.MISSING)
         return self.MISSING
 
     def put(self, t, value, device=None, per_call=False):
@@ -698,7 +698,7 @@ class _ValueNotes(_IdentityNotes):
         if entry is None or entry[0] != version:
             entry = (version, {})
             super().put(t, entry)
-        entry[1][_stream_key(device)] = value
+        entry[1][_result_key(device)] = value
 
     @classmethod
     def _version(cls, t, per_call):
@@ -716,6 +716,15 @@ class _ValueNotes(_IdentityNotes):
                 value = compute()
             self.put(t, value, device, per_call)
         return value
+
+
+def _result_key(device):
+    """Where a kept result lives: None for host results, else its device and that device's current stream (the
+    default stream's handle is 0 on every GPU, so the handle alone served ids made on cuda:0 to a layer on cuda:1 given
+    the same position_ids: session 72's audit)."""
+    if device is None:
+        return None
+    return str(torch.device(device)), _stream_key(device)
 
 
 def _stream_key(device):

@@ -3,6 +3,7 @@ tests/test_bug_reports_sixth_gpu.py::test_document_bounds_served_to_another_stre
 derives from an input tensor and keeps for the next call (document bounds, the transformers integration's document
 ids and unpadding indices) must be kept per CUDA stream, since one made on another stream is neither ordered before
 this stream's kernels nor kept alive by the caching allocator for them (TensorRT-LLM PR 15265, cudnn-frontend PR 1168).
+And per device (session 72's audit): every GPU's default stream has handle 0.
 
 No GPU is needed: the stream a result is keyed by (interface._stream_key) is replaced by a switchable fake, so the
 bookkeeping is seen without streams; on the GPU the key is the device's current stream handle."""
@@ -69,3 +70,28 @@ def test_transformers_document_ids_made_per_stream(fake_stream):
     assert other is not first
     assert torch.equal(other, first)
     assert other.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+
+
+def test_value_notes_keep_results_per_device(fake_stream):
+    """Session 72's audit: the key was the stream handle alone, and every GPU's default stream has handle 0, so a
+    result made on cuda:0 was served on cuda:1 (the transformers integration's document ids of one position_ids
+    tensor fed to layers on two GPUs: a ValueError naming document_ids' device), and a CPU result to a meta call."""
+    notes = interface._ValueNotes()
+    t = torch.arange(6)
+    notes.put(t, "made on cuda:0", torch.device("cuda", 0))
+    assert notes.get(t, torch.device("cuda", 0)) == "made on cuda:0"
+    assert notes.get(t, torch.device("cuda", 1)) is MISSING  # the same stream handle, another GPU
+    notes.put(t, "made on the CPU", torch.device("cpu"))
+    assert notes.get(t, torch.device("meta")) is MISSING
+    assert notes.get(t, torch.device("cpu")) == "made on the CPU"
+
+
+def test_transformers_document_ids_made_per_device(fake_stream):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    from flash_attn_hopper.integrations import transformers as fah_tf
+
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    query = torch.randn(1, 2, 8, 16)
+    on_cpu = fah_tf._documents(position_ids, query, query)
+    on_meta = fah_tf._documents(position_ids, query.to("meta"), query.to("meta"))
+    assert on_cpu.device.type == "cpu" and on_meta.device.type == "meta"
