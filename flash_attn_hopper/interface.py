@@ -676,8 +676,9 @@ class _ValueNotes(_IdentityNotes):
     outside PyTorch's operators) are not seen until torch.autograd.graph.increment_version, so what is kept must never
     let a launch index past its tensors (cu_seqlens: the kernels get the values read). Inference-mode tensors have no
     version counter and are never kept.
-    A result that is itself a device tensor is kept per device and stream (get and put with its ``device``): one made on another
-    stream would be neither ordered before this stream's kernels nor kept alive by the caching allocator for them."""
+    A result that is itself a device tensor is kept per device and stream (get and put with its ``device``): one made
+    on another stream would be neither ordered before this stream's kernels nor kept alive by the caching allocator
+    for them."""
 
     MISSING = object()
 
