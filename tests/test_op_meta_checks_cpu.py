@@ -206,3 +206,28 @@ def test_ops_have_docstrings(name, words):
         assert doc.startswith(name + "("), (name, doc[:80])
         for word in words:
             assert word in doc, (name, word)
+
+
+def _cpu_op_args(op):
+    q = torch.randn(2, 33, 4, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 4, 33)
+    opts = (0.125, False, -1, -1, 0.0, False)
+    if op == "fwd":
+        return (q, q, q, *opts)
+    if op == "bwd":
+        return (q, q, q, q, q, lse, None, *opts)
+    packed = q[0]
+    cu = torch.tensor([0, 33], dtype=torch.int32)
+    if op == "fwd_varlen":
+        return (packed, packed, packed, cu, cu, 33, 33, *opts)
+    return (packed, packed, packed, packed, packed, lse[0], None, cu, cu, 33, 33, *opts)
+
+
+@needs_ops
+@pytest.mark.parametrize("op,first", [("fwd", "q"), ("bwd", "dout"), ("fwd_varlen", "q"), ("bwd_varlen", "dout")])
+def test_ops_on_cpu_tensors_name_the_op_and_the_tensor(op, first):
+    """A direct op call with CPU tensors (a new user's trial, session 72): a RuntimeError naming the op and its first
+    CPU tensor, not the dispatcher's NotImplementedError listing backends; the Python functions refuse earlier
+    (ValueError naming the tensor)."""
+    with pytest.raises(RuntimeError, match=re.escape(f"flash_attn_hopper::{op}: {first} is a CPU tensor")):
+        getattr(ops, op)(*_cpu_op_args(op))

@@ -637,7 +637,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
                                                    std::optional<at::Tensor> const& doc_bounds) {
   check_attention_inputs(q_in, k_in, v_in, softmax_scale);
   ScoreOptions const opts = check_score_options(softmax_scale, causal, window_left, window_right, softcap);
-  Documents const docs = check_documents(doc_bounds, q_in, k_in, deterministic);
   int const batch = q_in.size(0), seqlen_q = q_in.size(1), nheads = q_in.size(2), head_dim_v = v_in.size(3);
   check_qkv(out_in, "out", q_in, head_dim_v);
   check_qkv(dout_in, "dout", q_in, head_dim_v);
@@ -654,6 +653,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(at::Tensor const& dout_in, at
 
   c10::cuda::CUDAGuard guard(q_in.device());
   check_sm90(q_in);
+  // After the sm90 check: the deterministic backward's partition is a kernel launch.
+  Documents const docs = check_documents(doc_bounds, q_in, k_in, deterministic);
   if (q_in.numel() == 0 || k_in.numel() == 0) {
     return {at::zeros(q_in.sizes(), q_in.options()), at::zeros(k_in.sizes(), k_in.options()),
             at::zeros(v_in.sizes(), v_in.options())};
@@ -953,6 +954,28 @@ TORCH_LIBRARY(flash_attn_hopper, m) {
       "fwd_block_m(int head_dim, int head_dim_v, int batch, int nheads, int seqlen_q, int seqlen_k, bool causal,"
       " int window_left, int window_right, int num_sms) -> int",
       &fwd_block_m);
+}
+
+// A direct op call with CPU tensors: a RuntimeError naming the op and the first CPU tensor argument, where the
+// dispatcher's own error lists every backend without naming either. One boxed kernel serves the four ops.
+static void refuse_cpu_tensors(c10::OperatorHandle const& op, torch::jit::Stack* stack) {
+  c10::FunctionSchema const& schema = op.schema();
+  size_t const n = schema.arguments().size();
+  std::string name = "a tensor argument";
+  for (size_t i = 0; i < n && n <= stack->size(); ++i) {
+    c10::IValue const& value = (*stack)[stack->size() - n + i];
+    if (value.isTensor() && value.toTensor().device().is_cpu()) {
+      name = schema.arguments()[i].name();
+      break;
+    }
+  }
+  TORCH_CHECK(false, schema.name(), ": ", name, " is a CPU tensor; the ops run on CUDA tensors of an sm90 GPU");
+}
+
+TORCH_LIBRARY_IMPL(flash_attn_hopper, CPU, m) {
+  for (char const* op : {"fwd", "fwd_varlen", "bwd", "bwd_varlen"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_cpu_tensors>());
+  }
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_hopper, CUDA, m) {
