@@ -683,7 +683,7 @@ class _ValueNotes(_IdentityNotes):
     MISSING = object()
 
     def get(self, t, device=None, per_call=False):
-        entry = super().get(t)  # (version, {stream handle or None: value})
+        entry = super().get(t)  # (version, {_result_key(device): value})
         if entry is not None and entry[0] == self._version(t, per_call):
             return entry[1].get(_result_key(device), self.MISSING)
         return self.MISSING

@@ -341,5 +341,5 @@ def test_documents_under_inference_mode_for_an_inference_position_ids_tensor(fah
         inside = fah_tf._documents(pos, q, q)
     outside = fah_tf._documents(pos, q, q)
     assert inside.tolist() == outside.tolist() == [[0, 0, 1, 1, 1]]
-    assert fah_tf._DOCUMENTS.get(pos) is interface._ValueNotes.MISSING
+    assert fah_tf._DOCUMENTS.get(pos, q.device) is interface._ValueNotes.MISSING
 
