@@ -297,7 +297,8 @@ _COMMON = """
     Raises RuntimeError (not the Python functions' ValueError / TypeError) for inputs the kernels cannot take: a
     dtype other than fp16 / bf16, mismatched ranks, shapes, dtypes or devices, a head_dim that is not a multiple of 8
     in [8, 256] or not built, nheads not a multiple of nheads_k, bad scale / window / softcap values; on meta and fake
-    tensors the same checks run where the values are known. CUDA tensors only: CPU tensors raise a RuntimeError naming the op and the tensor.
+    tensors the same checks run where the values are known. CUDA tensors only: CPU tensors raise a RuntimeError
+    naming the op and the tensor.
     Math: FlashAttention-3 paper (Shah et al., 2024), §3.1-3.2 (forward, Algorithms 1-2), Appendix B.1
     (backward, Algorithm 3) and §2.1 (gradients)."""
 _OP_DOCS = {

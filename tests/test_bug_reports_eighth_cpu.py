@@ -117,7 +117,8 @@ def test_jit_trace_of_documents_does_not_keep_cached_bounds(cpu_ops):
     ids_a = torch.repeat_interleave(torch.tensor([[0, 1]]), torch.tensor([120, 180]), dim=1)
     ids_b = torch.repeat_interleave(torch.tensor([[0, 1, 2]]), torch.tensor([40, 200, 60]), dim=1)
     attention(q, k, v, causal=True, document_ids=ids_a)  # warm-up: the bounds of ids_a are cached
-    assert interface._DOCUMENT_BOUNDS.get(ids_a, ids_a.device) is not interface._ValueNotes.MISSING, "construction: nothing cached"
+    cached = interface._DOCUMENT_BOUNDS.get(ids_a, ids_a.device)
+    assert cached is not interface._ValueNotes.MISSING, "construction: nothing cached"
     traced = torch.jit.trace(lambda q, k, v, ids: attention(q, k, v, causal=True, document_ids=ids), (q, k, v, ids_a),
                              check_trace=False)
     got = traced(q, k, v, ids_b)
