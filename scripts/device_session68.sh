@@ -8,7 +8,8 @@
 # 340 leaves gpu_check.sh its 40 s (device_check_parallel.sh gives it BUDGET - 300).
 #   carry [".prebuilt/pack/fin2.tar.xz", ".whl"] (another PACK: its own tar.xz); OUT as the device gives it; BUDGET
 #   (default 555).
-# Environment: PREBUILT / PACK (default FIN2 / fin2: another pack, e.g. session 70's DOCAL / docal), FIRST (the first
+# Environment: PREBUILT / PACK (default FIN2 / fin2: another pack, e.g. session 70's DOCAL / docal; PREBUILT=BUILD: a
+#   clean device build, no pack), FIRST (the first
 #   files), GRID (0: no grid), REST_PHASES (default "parallel"; "parallel groups" adds the memory and tools groups).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4  # several pytest processes on 16 cores
@@ -19,11 +20,17 @@ left() { echo $(( BUDGET - ($(date +%s) - T0) - ${1:-0} )); }
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "gpu: $GPU; nproc $(nproc)"
 PREBUILT=${PREBUILT:-FIN2}; PACK=${PACK:-fin2}
-PREBUILT=$PREBUILT PACK=$PACK PHASES=none BUDGET=340 OUT="$OUT/check" bash scripts/device_check_parallel.sh \
-  > "$OUT/check.txt" 2>&1
+if [[ $PREBUILT == BUILD ]]; then  # a clean device build (~2 minutes); OUT/check/verify_so.tar.xz brings it back
+  PHASES=none BUDGET=480 OUT="$OUT/check" bash scripts/device_check_parallel.sh > "$OUT/check.txt" 2>&1
+  build_log=$PWD/.fah_build/gpu_check/build.log
+else
+  PREBUILT=$PREBUILT PACK=$PACK PHASES=none BUDGET=340 OUT="$OUT/check" bash scripts/device_check_parallel.sh \
+    > "$OUT/check.txt" 2>&1
+  build_log=$PWD/.prebuilt/$PREBUILT/build.log
+fi
 echo "sass $(el): $(grep -m1 'HGMMA check' "$OUT/check.txt");" \
   "$(grep -m1 -o 'spills: [0-9]* kernel(s) spill' "$OUT/check.txt")"
-export FAH_PREBUILT=1 FAH_BUILD_LOG=$PWD/.prebuilt/$PREBUILT/build.log
+export FAH_PREBUILT=1 FAH_BUILD_LOG=$build_log
 FIRST=${FIRST:-"tests/test_bug_reports_thirtysixth_gpu.py tests/test_bug_reports_thirtyfifth_gpu.py
        tests/test_bug_reports_thirtyfourth_gpu.py tests/test_bug_reports_thirtysecond_gpu.py tests/test_bwd_gpu.py
        tests/test_deterministic_gpu.py tests/test_transformers_gpu.py tests/test_bug_reports_fifth_gpu.py"}
