@@ -42,12 +42,14 @@ import contextlib
 import copy
 import datetime
 import glob
+import itertools
 import json
 import math
 import numbers
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -168,6 +170,33 @@ def parse_args(argv=None):
         action="store_true",
         help="time each backend once more before the timing kept, and discard it (the clock and power state of the "
         "backend's own steady load, not of the lighter work before it)",
+    )
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="times each backend is timed per point and direction, the order reversed in every other round; the kept "
+        "median is the median of the rounds' medians (default %(default)s)",
+    )
+    g.add_argument(
+        "--no-rotate",
+        dest="rotate",
+        action="store_false",
+        help="time the backends in --backends order at every point (default: the order rotates one step per point)",
+    )
+    g.add_argument(
+        "--no-lead-in",
+        dest="lead_in",
+        action="store_false",
+        help="do not time the point's first backend once before the rounds (default: timed once and discarded, so "
+        "that no backend is timed straight after the lighter correctness check)",
+    )
+    g.add_argument(
+        "--preheat",
+        type=float,
+        default=3.0,
+        help="seconds of matrix multiplies before the first point, so that the first points run at the sustained "
+        "clock and power state the rest of the grid runs at (default %(default)s; 0: none)",
     )
     g.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     g.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
@@ -543,23 +572,70 @@ def _new_part(flops):
     return {"flops": flops, "ms": {}, "stats": {}, "tflops": {}, "errors": {}, "ratio": {}, "check": {}}
 
 
+_TIME_ALL_CALLS = itertools.count()  # the rotation of the backends' order, one step per timed point and direction
+
+
+def _combine_rounds(per_round):
+    """One stats dict from a backend's rounds: the median of the rounds' medians (the kept figure), the extremes of
+    their p20 / p80 / min / max, and each round's median."""
+    if len(per_round) == 1:
+        return per_round[0]
+    medians = [st["median"] for st in per_round]
+    return {"median": statistics.median(medians), "p20": min(st.get("p20", st["median"]) for st in per_round),
+            "p80": max(st.get("p80", st["median"]) for st in per_round),
+            "min": min(st.get("min", st["median"]) for st in per_round),
+            "max": max(st.get("max", st["median"]) for st in per_round),
+            "n": sum(st.get("n", 0) for st in per_round), "round_medians": medians}
+
+
 def _time_all(torch, timer, args, part, make_thunk, in_backend):
-    """Times make_thunk(name)() for every backend without an error yet (with args.settle, each backend is timed once
-    more first and that timing discarded); fills ms (median), stats (median, p20, p80, min, max in ms), tflops (from
-    the median), ratio."""
-    for name in args.backends:
-        if name in part["errors"]:
-            continue
+    """Times make_thunk(name)() for every backend without an error yet; fills ms (median), stats (median, p20, p80,
+    min, max in ms), tflops (from the median), ratio, and order (the backends' order in each round).
+
+    Why rounds, rotation and a lead-in: the backend timed first at a point, right after the lighter correctness
+    check, read fast (session 40: ours 539 first against 488-495 later, same point), and ours moves with where its
+    buffers land. So (CLI defaults) the first backend of the point's order is timed once more before the rounds and
+    that timing discarded (args.lead_in), the order rotates one step per point (args.rotate), each backend is timed
+    args.rounds times with the order reversed in every other round, and the kept median is the median of the rounds'
+    medians. args.settle: every timing is preceded by a discarded one of the same backend."""
+    names = [n for n in args.backends if n not in part["errors"]]
+    if not names:
+        order = []
+    else:
+        shift = next(_TIME_ALL_CALLS) % len(names) if getattr(args, "rotate", False) else 0
+        order = names[shift:] + names[:shift]
+    rounds = max(1, int(getattr(args, "rounds", 1) or 1))
+    per_round = {name: [] for name in order}
+    part["order"] = []
+    if order and getattr(args, "lead_in", False):
         try:
-            fn = make_thunk(name)
-            if getattr(args, "settle", False):
-                in_backend(name, lambda fn=fn: timer(fn))
-            stats = in_backend(name, lambda fn=fn: timer(fn))
-        except Exception as e:  # noqa: BLE001
-            part["errors"][name] = "timing failed: " + _describe(e)
-            continue
+            fn = make_thunk(order[0])
+            in_backend(order[0], lambda fn=fn: timer(fn))
+        except Exception:  # noqa: BLE001 - its own timing below records the error
+            pass
         finally:
-            fn = None  # drop the graph (backward) before the next backend
+            fn = None
+    for r in range(rounds):
+        seq = order if r % 2 == 0 else order[::-1]
+        part["order"].append(list(seq))
+        for name in seq:
+            if name in part["errors"]:
+                continue
+            try:
+                fn = make_thunk(name)
+                if getattr(args, "settle", False):
+                    in_backend(name, lambda fn=fn: timer(fn))
+                stats = in_backend(name, lambda fn=fn: timer(fn))
+            except Exception as e:  # noqa: BLE001
+                part["errors"][name] = "timing failed: " + _describe(e)
+                continue
+            finally:
+                fn = None  # drop the graph (backward) before the next backend
+            per_round[name].append(stats)
+    for name in order:
+        if name in part["errors"] or not per_round[name]:
+            continue
+        stats = _combine_rounds(per_round[name])
         part["ms"][name] = stats["median"]
         part["stats"][name] = stats
         part["tflops"][name] = part["flops"] / (stats["median"] * 1e-3) / 1e12
@@ -1019,6 +1095,17 @@ class GpuRunner:
     def clocks(self):
         return gpu_clocks()
 
+    def preheat(self, seconds):
+        """bf16 8192 x 8192 matrix multiplies for about `seconds` (the host checks the time every ten)."""
+        torch = self.torch
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn_like(a)
+        end = time.time() + seconds
+        while time.time() < end:
+            for _ in range(10):
+                torch.mm(a, b)
+            torch.cuda.synchronize()
+
     def meta(self):
         meta = collect_meta(self.torch, self.fah, self.timer_name, self.args)
         if self.built is not None:
@@ -1270,6 +1357,10 @@ def make_config(args):
             "warmup",
             "rep",
             "settle",
+            "rounds",
+            "rotate",
+            "lead_in",
+            "preheat",
             "smoke",
             "no_adjacent",
         )
@@ -1976,7 +2067,12 @@ def measure(args, runner):
         f"commit {meta.get('git_commit') or 'n/a'}{' (dirty)' if meta.get('git_dirty') else ''}",
         flush=True,
     )
-    print(f"# {len(specs)} points, tokens={args.tokens}, hidden={args.hidden}, timer: {meta.get('timer')}", flush=True)
+    print(f"# {len(specs)} points, tokens={args.tokens}, hidden={args.hidden}, timer: {meta.get('timer')}; "
+          f"{getattr(args, 'rounds', 1)} round(s) per backend, order rotating: {getattr(args, 'rotate', False)}, "
+          f"lead-in: {getattr(args, 'lead_in', False)}", flush=True)
+    if getattr(args, "preheat", 0) and hasattr(runner, "preheat"):
+        runner.preheat(args.preheat)
+        meta["sm_clock_after_preheat"] = runner.clocks()
     results = []
     t_start = time.time()
     progress = Progress(len(specs), enabled=not args.no_bar)

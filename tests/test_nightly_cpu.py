@@ -4,6 +4,7 @@ measurement is replaced by a fake runner (main's runner_factory seam), so the wh
 
 import copy
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -758,3 +759,56 @@ def test_time_all_settle_discards_one_timing_per_backend():
         nb._time_all(None, timer, args, part, lambda name: (lambda: name), lambda name, fn: fn())
         assert calls == expect_calls
         assert part["ms"] == {"ours": 1.0, "cudnn": 2.0}
+
+
+def test_time_all_rounds_rotation_and_lead_in(monkeypatch):
+    """--rounds / rotation / lead-in: the first backend of the point's order is timed once and discarded, each round
+    reverses the order of the one before, the order rotates one step per call, and the kept median is the median of
+    the rounds' medians (a timing faster in one round does not decide the figure alone)."""
+    import types
+
+    calls = []
+    readings = {"ours": iter([50.0, 1.0, 3.0]), "cudnn": iter([2.0, 4.0]), "fa2": iter([5.0, 7.0])}
+
+    def timer(fn):
+        name = fn()
+        calls.append(name)
+        return {"median": next(readings[name]), "p20": 0.5, "p80": 9.0, "min": 0.1, "max": 10.0, "n": 3}
+
+    args = types.SimpleNamespace(backends=["ours", "cudnn", "fa2"], rounds=2, rotate=True, lead_in=True)
+    monkeypatch.setattr(nb, "_TIME_ALL_CALLS", itertools.count())  # this call's rotation: none
+    part = nb._new_part(1e12)
+    nb._time_all(None, timer, args, part, lambda name: (lambda: name), lambda name, fn: fn())
+    assert calls == ["ours", "ours", "cudnn", "fa2", "fa2", "cudnn", "ours"]
+    assert part["order"] == [["ours", "cudnn", "fa2"], ["fa2", "cudnn", "ours"]]
+    assert part["ms"] == {"ours": 2.0, "cudnn": 3.0, "fa2": 6.0}  # the lead-in's 50 is discarded
+    assert part["stats"]["ours"]["round_medians"] == [1.0, 3.0] and part["stats"]["ours"]["n"] == 6
+    assert part["ratio"]["ours/cudnn"] == pytest.approx(1.5)
+
+    calls.clear()  # the next call starts one step further: cudnn first (and timed in the lead-in)
+    readings = {"ours": iter([1.0, 1.0]), "cudnn": iter([1.0, 1.0, 1.0]), "fa2": iter([1.0, 1.0])}
+    part = nb._new_part(1e12)
+    nb._time_all(None, timer, args, part, lambda name: (lambda: name), lambda name, fn: fn())
+    assert part["order"] == [["cudnn", "fa2", "ours"], ["ours", "fa2", "cudnn"]]
+    assert calls[0] == "cudnn" and len(calls) == 7
+
+
+def test_time_all_error_in_a_later_round_is_recorded():
+    """A backend that fails in the second round gets an error and no figure, not its first round's timing."""
+    import types
+
+    seen = {"cudnn": 0}
+
+    def timer(fn):
+        name = fn()
+        if name == "cudnn":
+            seen["cudnn"] += 1
+            if seen["cudnn"] == 2:
+                raise RuntimeError("boom")
+        return {"median": 1.0}
+
+    args = types.SimpleNamespace(backends=["ours", "cudnn"], rounds=2)
+    part = nb._new_part(1e12)
+    nb._time_all(None, timer, args, part, lambda name: (lambda: name), lambda name, fn: fn())
+    assert "cudnn" in part["errors"] and part["tflops"]["cudnn"] is None and part["ms"]["ours"] == 1.0
+    assert "ours/cudnn" not in part["ratio"]
