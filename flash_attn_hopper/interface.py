@@ -174,6 +174,20 @@ def _over(size, limit):
     return size > limit
 
 
+def _traced_check(cond, message):
+    """torch._check(cond, message) under torch.compile where cond depends on a value from data; a condition the trace
+    can decide is decided here instead (False: ValueError(message())). Why: dynamo keeps torch._check's message
+    function as an attribute of the graph even when the condition is a constant, and torch 2.11's
+    torch.compiler.nested_compile_region cannot compare two graphs that hold one (InternalTorchDynamoError:
+    "NotImplementedError: get_attr with <class 'function'>"; round 39, GZ). A condition on a value from data (.item()
+    in the compiled code) inside such a region still meets that limit."""
+    if _guard_or_false(cond):  # true, or known true by the hints (with a guard)
+        return
+    if not torch.fx.experimental.symbolic_shapes.guard_or_true(cond):
+        raise ValueError(message())  # decided false
+    torch._check(cond, message)  # a value from data: the graph's runtime assertion
+
+
 def _guard_or_false(cond):
     """torch.fx.experimental.symbolic_shapes.guard_or_false, reached only under torch.compile (which has loaded that
     module; a plain import of the library does not, it brings in sympy): a condition on a value the trace does not
@@ -203,9 +217,9 @@ def _check_fwd_tiles_compiling(batch, nheads, seqlen_q, rows_k, max_seqlen_k, na
     if all(_guard_or_false(t > _MAX_FWD_TILES) for t in tiles):
         if _guard_or_false(rows_k > 0) and _guard_or_false(max_seqlen_k > 0):
             _check_fwd_tiles(batch, nheads, min(bounds), names)  # raises
-        torch._check(min(rows_k, max_seqlen_k) <= 0, message)  # then only a call without keys passes
+        _traced_check(min(rows_k, max_seqlen_k) <= 0, message)  # then only a call without keys passes
     elif not any(_guard_or_false(t <= _MAX_FWD_TILES) for t in tiles):
-        torch._check(min(tiles) <= _MAX_FWD_TILES, message)
+        _traced_check(min(tiles) <= _MAX_FWD_TILES, message)
 
 
 def _check_devices(named_devices):
@@ -825,8 +839,8 @@ def _check_max_seqlen(name, value):
         # raises a ValueError
         if _guard_or_false(value < 0) or _guard_or_false(value >= 2**31):
             raise ValueError(f"{name} must be in [0, 2^31)")  # (int(value) of a value from data cannot be traced)
-        torch._check(value >= 0, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
-        torch._check(value < 2**31, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
+        _traced_check(value >= 0, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
+        _traced_check(value < 2**31, lambda: "max_seqlen_q and max_seqlen_k must be in [0, 2^31)")
         return value
     value = int(value)
     if not 0 <= value < 2**31:

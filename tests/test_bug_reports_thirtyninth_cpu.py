@@ -192,3 +192,34 @@ def test_compile_features_exist():
     backends = set(list_backends(exclude_tags=()))
     for backend in (*gpu_file.GY_BACKENDS, *gpu_file.GZ_BACKENDS):
         assert backend in backends, backend
+
+
+@pytest.mark.parametrize("problem", ["dense-gqa", "documents", "varlen"])
+def test_nested_compile_region_through_stand_ins(on_cpu, monkeypatch, problem):
+    """GZ's chain through the CPU stand-ins of the kernels (aot_eager, fullgraph): its results equal eager's bit for
+    bit. The varlen chain failed on the H100 in session 73 and here before the fix: the max_seqlen checks' torch._check
+    left their message functions in the graph, which nested_compile_region's graph comparison refuses
+    (InternalTorchDynamoError: get_attr with <class 'function'>)."""
+    from cpu_stand_ins import stand_ins
+
+    with stand_ins(monkeypatch):
+        p = next(x for x in gpu_file.problems() if x.name == problem)
+        region_fn, eager_fn = gpu_file.chained_region(p)
+        base, base_lse2 = gpu_file.run_chain(p, eager_fn)
+        torch._dynamo.reset()
+        compiled = torch.compile(region_fn, backend="aot_eager", fullgraph=True)
+        results, lse2 = gpu_file.run_chain(p, compiled)
+        for name, a, b in zip(("out2", "lse1", "dq", "dk", "dv", "lse2"), (*base, base_lse2), (*results, lse2)):
+            assert torch.equal(a, b), name
+
+
+def test_traced_check_keeps_no_function_for_a_decided_condition():
+    """interface._traced_check: a decided condition is evaluated on the host (False: the ValueError with the message),
+    never handed to torch._check."""
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401 (loaded by torch.compile, where the check runs)
+
+    from flash_attn_hopper import interface
+
+    interface._traced_check(True, lambda: "unused")
+    with pytest.raises(ValueError, match="max_seqlen"):
+        interface._traced_check(False, lambda: "max_seqlen_q must be in [0, 2^31)")
