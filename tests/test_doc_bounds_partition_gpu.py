@@ -185,3 +185,41 @@ def test_partition_kernel_matches_the_cpu_reference(case, layout):
 def test_partition_kernel_on_empty_bounds(shape):
     got = torch.ops.flash_attn_hopper.doc_bounds_partition(torch.zeros(shape, dtype=torch.int32, device=DEVICE))
     assert got.shape == shape and got.device.type == "cuda"
+
+
+def own_partition(rows):
+    """Which rows of int32 (batch, seqlen, 2) CPU bounds are their own partition (the kernel's copied rows)."""
+    return [bool(torch.equal(runs_of_equal_pairs(rows[b:b + 1]), rows[b:b + 1])) for b in range(rows.shape[0])]
+
+
+def test_partition_kernel_copies_only_rows_that_are_their_own_partition():
+    """Session 73's fast path: rows made from ids are copied in parallel, and a row one value away from that is
+    scanned. Each change below makes its row no partition (the premise is checked), at a run's first position, at
+    the last position, inside a run at a 256-position copy block's edge, and at position 0; rows 0 and 5 stay."""
+    g = torch.Generator().manual_seed(73)
+    rows = document_bounds(random_ids(g, 6, 3000, 9))
+    starts = [i for i in range(1, 3000) if rows[1, i, 0] == i]
+    rows[1, starts[len(starts) // 2], 0] -= 1
+    rows[2, 2999, 1] += 1
+    if rows[3, 512, 0] == 512 or rows[3, 512, 1] == 513:
+        raise AssertionError("premise: position 512 of row 3 is inside a run")
+    rows[3, 512, 1] += 1
+    rows[4, 0, 0] = 1
+    assert own_partition(rows) == [True, False, False, False, False, True], "premise"
+    got = torch.ops.flash_attn_hopper.doc_bounds_partition(rows.to(DEVICE)).cpu()
+    assert_same_bits(got, runs_of_equal_pairs(rows), "mixed rows")
+
+
+def test_partition_kernel_past_65535_rows():
+    """The copy kernel's grid covers at most 65535 rows at once and loops over the rest: a bad row past that (65536)
+    and one inside it (0) are scanned, the others copied."""
+    g = torch.Generator().manual_seed(74)
+    ids = torch.randint(0, 2, (65537, 3), generator=g)
+    rows = document_bounds(ids)
+    rows[0, 1, 1] = 7
+    rows[65536, 2, 0] = 5
+    assert own_partition(rows[[0, 1, 65535, 65536]]) == [False, True, True, False], "premise"
+    got = torch.ops.flash_attn_hopper.doc_bounds_partition(rows.to(DEVICE)).cpu()
+    assert_same_bits(got, torch.ops.flash_attn_hopper.doc_bounds_partition(rows), "65537 rows against the CPU op")
+    for b in (0, 1, 65534, 65535, 65536):
+        assert_same_bits(got[b:b + 1], runs_of_equal_pairs(rows[b:b + 1]), f"row {b} brute force")

@@ -357,7 +357,7 @@ struct Documents {
 // document ids (interface.document_bounds: one pair per document), and a partition of each row whatever the values.
 // The deterministic backward needs one: its dQ turns count the key blocks that a query block's row-side hull reaches,
 // and only for a partition does each of them visit that query block through its own key-side hull (a turn that never
-// comes is a hang, as for cu_seqlens in monotone_offsets). CUDA tensors: one kernel (varlen_rows.cu); other devices
+// comes is a hang, as for cu_seqlens in monotone_offsets). CUDA tensors: varlen_rows.cu; other devices
 // (the CPU tests' reference, meta): ATen ops.
 at::Tensor doc_bounds_partition(at::Tensor const& b) {
   TORCH_CHECK(b.scalar_type() == at::kInt && b.dim() == 3 && b.size(2) == 2,
@@ -369,7 +369,9 @@ at::Tensor doc_bounds_partition(at::Tensor const& b) {
     c10::cuda::CUDAGuard guard(b.device());
     at::Tensor const in = b.contiguous();
     at::Tensor out = at::empty({batch, seqlen, 2}, b.options());
-    cudaError_t const err = flash::doc_bounds_partition(in.data_ptr<int>(), out.data_ptr<int>(), batch, int(seqlen),
+    at::Tensor row_bad = at::zeros({batch}, b.options());
+    cudaError_t const err = flash::doc_bounds_partition(in.data_ptr<int>(), out.data_ptr<int>(),
+                                                        row_bad.data_ptr<int>(), batch, int(seqlen),
                                                         c10::cuda::getCurrentCUDAStream(b.device().index()).stream());
     TORCH_CHECK(err == cudaSuccess, "flash_attn_hopper: doc_bounds_partition failed: ", cudaGetErrorString(err));
     return out;

@@ -5,6 +5,7 @@
 // 2026-11-30, scripts/varlen_gap.py). The bounds are read on the device: no host synchronisation.
 #include "api/varlen_rows.hpp"
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cub/block/block_scan.cuh>
@@ -81,9 +82,36 @@ struct MinOp {
 // One block per row of (batch, seqlen, 2) int32 pairs; `in` is read as ints (a caller's tensor may sit 4 bytes
 // off an int2 boundary). doc_start: a max-scan of the run starts, forwards; doc_end: a min-scan of the next run's
 // start, backwards. kItems consecutive positions per thread, so that a chunk is kThreads * kItems positions.
+// The common case first, in parallel: a row whose pairs already are their runs' bounds (every row that
+// interface.document_bounds makes) is its own partition. Each position is copied and checked: a run's first
+// position must start there and its last must end one past it (inside a run the pairs are equal, so that is all).
+// row_bad[row] (zeroed by the caller) becomes 1 for a row that fails anywhere; only those rows are scanned below.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) doc_bounds_copy_if_partition_kernel(int const* __restrict__ in,
+                                                                                int* __restrict__ out,
+                                                                                int* __restrict__ row_bad,
+                                                                                int64_t batch, int seqlen) {
+  int64_t const i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  for (int64_t r = blockIdx.y; r < batch; r += gridDim.y) {
+    bool bad = false;
+    if (i < seqlen) {
+      int const* const b = in + r * seqlen * 2;
+      int const s = b[2 * i], e = b[2 * i + 1];
+      bool const first = i == 0 || s != b[2 * i - 2] || e != b[2 * i - 1];
+      bool const last = i + 1 == seqlen || s != b[2 * i + 2] || e != b[2 * i + 3];
+      bad = (first && s != i) || (last && e != i + 1);
+      out[r * seqlen * 2 + 2 * i] = s;
+      out[r * seqlen * 2 + 2 * i + 1] = e;
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) { row_bad[r] = 1; }
+  }
+}
+
 template <int kThreads, int kItems>
 __global__ void __launch_bounds__(kThreads) doc_bounds_partition_kernel(int const* __restrict__ in,
-                                                                        int* __restrict__ out, int seqlen) {
+                                                                        int* __restrict__ out,
+                                                                        int const* __restrict__ row_bad, int seqlen) {
+  if (row_bad[blockIdx.x] == 0) { return; }  // copied as it is by the kernel above
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   int64_t const row = int64_t(blockIdx.x) * seqlen * 2;
@@ -132,10 +160,16 @@ cudaError_t monotone_offsets(int const* cu_seqlens, int* out, int n, int total, 
   return cudaGetLastError();
 }
 
-cudaError_t doc_bounds_partition(int const* bounds, int* out, int64_t batch, int seqlen, cudaStream_t stream) {
+cudaError_t doc_bounds_partition(int const* bounds, int* out, int* row_bad, int64_t batch, int seqlen,
+                                 cudaStream_t stream) {
   if (batch <= 0 || seqlen <= 0) { return cudaSuccess; }
   if (batch > INT32_MAX) { return cudaErrorInvalidValue; }
-  doc_bounds_partition_kernel<256, 4><<<unsigned(batch), 256, 0, stream>>>(bounds, out, seqlen);
+  constexpr int kCopyThreads = 256;
+  dim3 const copy_grid(unsigned((int64_t(seqlen) + kCopyThreads - 1) / kCopyThreads),
+                       unsigned(std::min<int64_t>(batch, 65535)));
+  doc_bounds_copy_if_partition_kernel<kCopyThreads><<<copy_grid, kCopyThreads, 0, stream>>>(bounds, out, row_bad,
+                                                                                            batch, seqlen);
+  doc_bounds_partition_kernel<256, 4><<<unsigned(batch), 256, 0, stream>>>(bounds, out, row_bad, seqlen);
   return cudaGetLastError();
 }
 

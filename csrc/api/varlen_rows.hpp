@@ -18,6 +18,8 @@ cudaError_t monotone_offsets(int const* cu_seqlens, int* out, int n, int total, 
 
 // The runs of equal consecutive [doc_start, doc_end] pairs of each row of a contiguous int32 (batch, seqlen, 2) tensor,
 // written to out (same shape, contiguous, on the device): flash_api.cpp doc_bounds_partition on CUDA tensors.
-cudaError_t doc_bounds_partition(int const* bounds, int* out, int64_t batch, int seqlen, cudaStream_t stream);
+// row_bad: batch zeroed ints of workspace (rows that are not already their own partition get 1 and are scanned).
+cudaError_t doc_bounds_partition(int const* bounds, int* out, int* row_bad, int64_t batch, int seqlen,
+                                 cudaStream_t stream);
 
 }  // namespace flash
