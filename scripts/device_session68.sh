@@ -9,7 +9,7 @@
 #   carry [".prebuilt/pack/fin2.tar.xz", ".whl"] (another PACK: its own tar.xz); OUT as the device gives it; BUDGET
 #   (default 555).
 # Environment: PREBUILT / PACK (default FIN2 / fin2: another pack, e.g. session 70's DOCAL / docal; PREBUILT=BUILD: a
-#   clean device build, no pack), FIRST (the first
+#   clean device build, no pack), GRID_FEATURES (the grid's --features), GRID_FP16 (0: no fp16 grid), FIRST (the first
 #   files), GRID (0: no grid), REST_PHASES (default "parallel"; "parallel groups" adds the memory and tools groups).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4  # several pytest processes on 16 cores
@@ -41,10 +41,11 @@ echo "first files rc $? $(el): $(tail -n 1 "$OUT/first.log")"; grep -E "^(FAILED
 # on an H200 the full grid with the feature points, else dense only
 if [[ $GPU == *H200* ]] && [[ ${GRID:-1} != 0 ]] && (( $(left) > 60 )); then
   feats=dense; (( $(left) > 190 )) && feats=dense,gqa,varlen,window,softcap,deterministic
+  feats=${GRID_FEATURES:-$feats}
   timeout "$(left 5)" python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both \
     --features $feats --no-bar --json "$OUT/grid_S68.json" --summary "$OUT/grid_S68_summary.md" > "$OUT/grid.log" 2>&1
   echo "grid ($feats) rc $? $(el)"
-  if (( $(left) > 60 )); then
+  if [[ ${GRID_FP16:-1} != 0 ]] && (( $(left) > 60 )); then
     timeout "$(left 5)" python3 -m flash_attn_hopper.benchmark --seqlens 1024,4096,16384 --direction both \
       --dtype fp16 --features dense --no-bar --json "$OUT/grid_S68_fp16.json" \
       --summary "$OUT/grid_S68_fp16_summary.md" > "$OUT/grid_fp16.log" 2>&1
