@@ -1494,7 +1494,13 @@ def _check_record(doc, path):
             for name, st in part.get("stats", {}).items():
                 if not st:
                     continue
-                number_map(f"{pw}.stats.{name}", st)
+                if not isinstance(st, dict):
+                    bad(f"{pw}.stats.{name}", f"an object expected, got {type(st).__name__}")
+                rounds = st.get("round_medians")  # records from session 73 on (--rounds above 1)
+                if rounds is not None and (not isinstance(rounds, list) or not rounds
+                                           or not all(_is_number(x) and x > 0 for x in rounds)):
+                    bad(f"{pw}.stats.{name}.round_medians", f"a list of positive numbers expected, got {rounds!r}")
+                number_map(f"{pw}.stats.{name}", {q: x for q, x in st.items() if q != "round_medians"})
                 if not all(_is_number(st.get(q)) and st[q] > 0 for q in ("median", "p20", "p80")):
                     bad(f"{pw}.stats.{name}", f"positive median, p20 and p80 expected, got {st!r}")
             for key, x in part.get("check", {}).items():

@@ -53,6 +53,10 @@ MALFORMED = {
     "ratio-a-bool": {"results": [dict(POINT, fwd=dict(PART, ratio={"ours/cudnn": True}))]},
     "stats-without-p80": {"results": [dict(POINT, fwd=dict(PART, stats={"ours": {"median": 1.0, "p20": 1.0}}))]},
     "stats-p80-zero": {"results": [dict(POINT, fwd=dict(PART, stats={"ours": {"median": 1, "p20": 1, "p80": 0}}))]},
+    "round-medians-a-number": {"results": [dict(POINT, fwd=dict(PART, stats={"ours": {
+        "median": 1.0, "p20": 1.0, "p80": 1.0, "round_medians": 1.0}}))]},
+    "round-medians-with-a-string": {"results": [dict(POINT, fwd=dict(PART, stats={"ours": {
+        "median": 1.0, "p20": 1.0, "p80": 1.0, "round_medians": [1.0, "x"]}}))]},
     "maxdiff-a-string": {"results": [dict(POINT, fwd=dict(PART, check={"maxdiff_vs_cudnn": "big"}))]},
     "adjacent-an-object": {"results": [dict(POINT, fwd=dict(PART, adjacent={"kind": "same"}))]},
     "adjacent-without-kind": {"results": [dict(POINT, fwd=dict(PART, adjacent=[{"seqlen": 1024, "ratio": 1.0}]))]},
