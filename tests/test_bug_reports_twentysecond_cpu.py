@@ -116,8 +116,11 @@ def _strict_json(text):
     (["--head-dims", "60", "--hidden", "1920"], "--head-dims"),
     (["--head-dims", "512"], "--head-dims"),
     (["--head-dims", "64,264", "--hidden", "16896"], "--head-dims"),
+    (["--rounds", "0"], "--rounds"),
+    (["--preheat", "-1"], "--preheat"),
+    (["--preheat", "nan"], "--preheat"),
 ], ids=["seqlen_0", "seqlen_negative", "tokens_0", "hidden_0", "hidden_negative", "warmup_negative", "rep_0",
-        "head_dim_60", "head_dim_512", "head_dim_264"])
+        "head_dim_60", "head_dim_512", "head_dim_264", "rounds_0", "preheat_negative", "preheat_nan"])
 def test_cli_refuses_grid_sizes_it_cannot_run(argv, flag, capsys):
     """EU: each is refused at parsing (exit status 2) naming its flag, before any measurement (a seqlen of 0 divided by
     zero in run_point mid-run; a negative seqlen or hidden made negative shapes, hidden 0 a 0 / 0 ratio; tokens 0, rep
