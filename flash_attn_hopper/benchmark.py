@@ -42,12 +42,12 @@ import contextlib
 import copy
 import datetime
 import glob
-import itertools
 import json
 import math
 import numbers
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -183,7 +183,8 @@ def parse_args(argv=None):
         "--no-rotate",
         dest="rotate",
         action="store_false",
-        help="time the backends in --backends order at every point (default: the order rotates one step per point)",
+        help="time the backends in --backends order at every point (default: the order is rotated by a random step, "
+        "seeded, per point and direction)",
     )
     g.add_argument(
         "--no-lead-in",
@@ -577,7 +578,10 @@ def _new_part(flops):
     return {"flops": flops, "ms": {}, "stats": {}, "tflops": {}, "errors": {}, "ratio": {}, "check": {}}
 
 
-_TIME_ALL_CALLS = itertools.count()  # the rotation of the backends' order, one step per timed point and direction
+# The rotation of the backends' order: a seeded random step per timed point and direction. A step of one per call
+# aliased with the grid (three backends, forward and backward, three seqlens per head_dim: ours first at every
+# 1024-key forward; with two backends ours first at every forward).
+_ORDER_RANDOM = random.Random(0)
 
 
 def _combine_rounds(per_round):
@@ -600,14 +604,14 @@ def _time_all(torch, timer, args, part, make_thunk, in_backend):
     Why rounds, rotation and a lead-in: the backend timed first at a point, right after the lighter correctness
     check, read fast (session 40: ours 539 first against 488-495 later, same point), and ours moves with where its
     buffers land. So (CLI defaults) the first backend of the point's order is timed once more before the rounds and
-    that timing discarded (args.lead_in), the order rotates one step per point (args.rotate), each backend is timed
-    args.rounds times with the order reversed in every other round, and the kept median is the median of the rounds'
-    medians. args.settle: every timing is preceded by a discarded one of the same backend."""
+    that timing discarded (args.lead_in), the order is rotated by a seeded random step (args.rotate), each backend is
+    timed args.rounds times with the order reversed in every other round, and the kept median is the median of the
+    rounds' medians. args.settle: every timing is preceded by a discarded one of the same backend."""
     names = [n for n in args.backends if n not in part["errors"]]
     if not names:
         order = []
     else:
-        shift = next(_TIME_ALL_CALLS) % len(names) if getattr(args, "rotate", False) else 0
+        shift = _ORDER_RANDOM.randrange(len(names)) if getattr(args, "rotate", False) else 0
         order = names[shift:] + names[:shift]
     rounds = max(1, int(getattr(args, "rounds", 1) or 1))
     per_round = {name: [] for name in order}

@@ -21,7 +21,8 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 echo "gpu: $GPU; nproc $(nproc)"
 PREBUILT=${PREBUILT:-FIN2}; PACK=${PACK:-fin2}
 if [[ $PREBUILT == BUILD ]]; then  # a clean device build (~2 minutes); OUT/check/verify_so.tar.xz brings it back
-  PHASES=none BUDGET=480 OUT="$OUT/check" bash scripts/device_check_parallel.sh > "$OUT/check.txt" 2>&1
+  env -u PREBUILT -u PACK PHASES=none BUDGET=480 OUT="$OUT/check" bash scripts/device_check_parallel.sh \
+    > "$OUT/check.txt" 2>&1
   build_log=$PWD/.fah_build/gpu_check/build.log
 else
   PREBUILT=$PREBUILT PACK=$PACK PHASES=none BUDGET=340 OUT="$OUT/check" bash scripts/device_check_parallel.sh \

@@ -1,6 +1,8 @@
-"""Session 72/73 measurement (development): what torch.ops.flash_attn_hopper.doc_bounds_partition's CUDA kernel
-(csrc/api/varlen_rows.cu, one block per row walking 1024-position chunks) costs against the ATen ops it replaced
-(written out below as the C++ CPU path's same ops, run on the GPU), and against the deterministic backward it serves.
+"""Session 72/73 measurement (development): what torch.ops.flash_attn_hopper.doc_bounds_partition costs on CUDA
+tensors (csrc/api/varlen_rows.cu: since session 73 a parallel copy of the rows that already are their own partition,
+as bounds from ids are, and the one-block-per-row scan over 1024-position chunks for the others) against the ATen ops
+it replaced (written out below as the C++ CPU path's same ops, run on the GPU) and the deterministic backward it
+serves. "scanned" times the same bounds with one value changed per row (no row is its own partition).
 
     PYTHONPATH=. python scripts/doc_partition_time.py
 
@@ -39,8 +41,8 @@ def ids_of(batch, seqlen, mean_len, gen):
 
 def main():
     gen = torch.Generator().manual_seed(0)
-    print("| batch | seqlen | docs (mean len) | kernel us | ATen ops us | det. bwd ms (16 heads, hdim 128) |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | seqlen | docs (mean len) | kernel us | scanned us | ATen ops us | det. bwd ms (16 heads, hdim 128) |")
+    print("|---|---|---|---|---|---|---|")
     for batch, seqlen, mean_len in [(1, 131072, 2048), (8, 4096, 512), (1, 131072, 4), (64, 2048, 256)]:
         ids = ids_of(batch, seqlen, mean_len, gen)
         b = document_bounds(ids)
@@ -48,13 +50,17 @@ def main():
         assert torch.equal(got, aten_partition(b)), (batch, seqlen)
         t_k = do_bench(lambda: torch.ops.flash_attn_hopper.doc_bounds_partition(b), return_mode="median") * 1e3
         t_a = do_bench(lambda: aten_partition(b), return_mode="median") * 1e3
+        bad = b.clone()
+        bad[:, -1, 1] += 1  # the last end one too far: every row is scanned
+        assert torch.equal(torch.ops.flash_attn_hopper.doc_bounds_partition(bad), aten_partition(bad))
+        t_s = do_bench(lambda: torch.ops.flash_attn_hopper.doc_bounds_partition(bad), return_mode="median") * 1e3
         q, k, v = (torch.randn(batch, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         out = flash_attn_hopper.attention(q, k, v, document_ids=ids, deterministic=True)
         g = torch.randn_like(out)
         t_b = do_bench(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), return_mode="median")
-        print(f"| {batch} | {seqlen} | {seqlen // mean_len} ({mean_len}) | {t_k:.1f} | {t_a:.1f} | {t_b:.2f} |",
-              flush=True)
+        print(f"| {batch} | {seqlen} | {seqlen // mean_len} ({mean_len}) | {t_k:.1f} | {t_s:.1f} | {t_a:.1f} | "
+              f"{t_b:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

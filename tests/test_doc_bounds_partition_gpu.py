@@ -223,3 +223,23 @@ def test_partition_kernel_past_65535_rows():
     assert_same_bits(got, torch.ops.flash_attn_hopper.doc_bounds_partition(rows), "65537 rows against the CPU op")
     for b in (0, 1, 65534, 65535, 65536):
         assert_same_bits(got[b:b + 1], runs_of_equal_pairs(rows[b:b + 1]), f"row {b} brute force")
+
+
+def test_partition_kernel_pins_each_half_of_the_copy_check():
+    """Whole runs changed so that only one half of the copy kernel's check fails (a review of session 73's fast
+    path: a kernel with either half dropped passed the single-value faults above): a run's start alone, its end
+    alone, a run starting at a 256-position copy block's edge, the last run's end, equal starts with different
+    ends. Documents [0, 300) [300, 512) [512, 900) [900, 1000); rows 0 and 4 stay their own partition."""
+    ids = torch.zeros(7, 1000, dtype=torch.int64)
+    for cut in (300, 512, 900):
+        ids[:, cut:] += 1
+    rows = document_bounds(ids)
+    rows[1, 300:512, 0] = 299
+    rows[2, 300:512, 1] = 513
+    rows[3, 512:900, 0] = 511
+    rows[5, 900:, 1] = 1001
+    rows[6, 300:400] = torch.tensor([300, 400], dtype=torch.int32)
+    rows[6, 400:512, 0] = 300
+    assert own_partition(rows) == [True, False, False, False, True, False, False], "premise"
+    got = torch.ops.flash_attn_hopper.doc_bounds_partition(rows.to(DEVICE)).cpu()
+    assert_same_bits(got, runs_of_equal_pairs(rows), "whole runs changed")

@@ -4,7 +4,6 @@ measurement is replaced by a fake runner (main's runner_factory seam), so the wh
 
 import copy
 import contextlib
-import itertools
 import json
 import os
 import subprocess
@@ -776,7 +775,8 @@ def test_time_all_rounds_rotation_and_lead_in(monkeypatch):
         return {"median": next(readings[name]), "p20": 0.5, "p80": 9.0, "min": 0.1, "max": 10.0, "n": 3}
 
     args = types.SimpleNamespace(backends=["ours", "cudnn", "fa2"], rounds=2, rotate=True, lead_in=True)
-    monkeypatch.setattr(nb, "_TIME_ALL_CALLS", itertools.count())  # this call's rotation: none
+    monkeypatch.setattr(nb, "_ORDER_RANDOM", types.SimpleNamespace(randrange=lambda n: next(steps) % n))
+    steps = iter([0, 1])  # this call's rotation: none; the next call's: one step
     part = nb._new_part(1e12)
     nb._time_all(None, timer, args, part, lambda name: (lambda: name), lambda name, fn: fn())
     assert calls == ["ours", "ours", "cudnn", "fa2", "fa2", "cudnn", "ours"]
@@ -785,7 +785,7 @@ def test_time_all_rounds_rotation_and_lead_in(monkeypatch):
     assert part["stats"]["ours"]["round_medians"] == [1.0, 3.0] and part["stats"]["ours"]["n"] == 6
     assert part["ratio"]["ours/cudnn"] == pytest.approx(1.5)
 
-    calls.clear()  # the next call starts one step further: cudnn first (and timed in the lead-in)
+    calls.clear()  # the next call one step further: cudnn first (and timed in the lead-in)
     readings = {"ours": iter([1.0, 1.0]), "cudnn": iter([1.0, 1.0, 1.0]), "fa2": iter([1.0, 1.0])}
     part = nb._new_part(1e12)
     nb._time_all(None, timer, args, part, lambda name: (lambda: name), lambda name, fn: fn())
@@ -812,3 +812,21 @@ def test_time_all_error_in_a_later_round_is_recorded():
     nb._time_all(None, timer, args, part, lambda name: (lambda: name), lambda name, fn: fn())
     assert "cudnn" in part["errors"] and part["tflops"]["cudnn"] is None and part["ms"]["ours"] == 1.0
     assert "ours/cudnn" not in part["ratio"]
+
+
+def test_time_all_rotation_does_not_follow_the_grid():
+    """The rotation is a seeded random step per call: over a grid's forward and backward calls, with two or three
+    backends, every backend leads some forward points and some backward points (a step of one per call put ours
+    first at every forward with two backends, and at every 1024-key forward with three)."""
+    import types
+
+    for backends in (["ours", "cudnn"], ["ours", "cudnn", "fa2"]):
+        firsts = {"fwd": set(), "bwd": set()}
+        args = types.SimpleNamespace(backends=backends, rounds=1, rotate=True, lead_in=False)
+        for point in range(18):
+            for d in ("fwd", "bwd"):
+                part = nb._new_part(1e12)
+                nb._time_all(None, lambda fn: {"median": 1.0}, args, part, lambda name: (lambda: name),
+                             lambda name, fn: fn())
+                firsts[d].add(part["order"][0][0])
+        assert firsts["fwd"] == set(backends) and firsts["bwd"] == set(backends), (backends, firsts)

@@ -79,9 +79,6 @@ struct MinOp {
   __device__ int operator()(int a, int b) const { return min(a, b); }
 };
 
-// One block per row of (batch, seqlen, 2) int32 pairs; `in` is read as ints (a caller's tensor may sit 4 bytes
-// off an int2 boundary). doc_start: a max-scan of the run starts, forwards; doc_end: a min-scan of the next run's
-// start, backwards. kItems consecutive positions per thread, so that a chunk is kThreads * kItems positions.
 // The common case first, in parallel: a row whose pairs already are their runs' bounds (every row that
 // interface.document_bounds makes) is its own partition. Each position is copied and checked: a run's first
 // position must start there and its last must end one past it (inside a run the pairs are equal, so that is all).
@@ -107,6 +104,9 @@ __global__ void __launch_bounds__(kThreads) doc_bounds_copy_if_partition_kernel(
   }
 }
 
+// One block per row of (batch, seqlen, 2) int32 pairs; `in` is read as ints (a caller's tensor may sit 4 bytes
+// off an int2 boundary). doc_start: a max-scan of the run starts, forwards; doc_end: a min-scan of the next run's
+// start, backwards. kItems consecutive positions per thread, so that a chunk is kThreads * kItems positions.
 template <int kThreads, int kItems>
 __global__ void __launch_bounds__(kThreads) doc_bounds_partition_kernel(int const* __restrict__ in,
                                                                         int* __restrict__ out,
