@@ -41,7 +41,8 @@ def ids_of(batch, seqlen, mean_len, gen):
 
 def main():
     gen = torch.Generator().manual_seed(0)
-    print("| batch | seqlen | docs (mean len) | kernel us | scanned us | ATen ops us | det. bwd ms (16 heads, hdim 128) |")
+    print("| batch | seqlen | docs (mean len) | kernel us | scanned us | ATen ops us | det. bwd ms (16 heads, "
+          "hdim 128) |")
     print("|---|---|---|---|---|---|---|")
     for batch, seqlen, mean_len in [(1, 131072, 2048), (8, 4096, 512), (1, 131072, 4), (64, 2048, 256)]:
         ids = ids_of(batch, seqlen, mean_len, gen)
