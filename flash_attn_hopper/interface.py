@@ -389,8 +389,12 @@ def _check_softcap(softcap, softmax_scale):
     return softcap
 
 
+# softcap's default is the int 0, not 0.0, here and in attention_varlen: under torch.compile(dynamic=True) dynamo
+# reads a float keyword default as a symbolic float, which a torch.compiler.nested_compile_region then cannot take in
+# (dynamo's AssertionError "lift_tracked_freevar_to_input should not be called on root SubgraphTracer"); 0 and 1 stay
+# constants.
 def attention(
-    q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0.0,
+    q, k, v, softmax_scale=None, causal=False, return_lse=False, *, window_size=(-1, -1), softcap=0,
     deterministic=False, document_ids=None,
 ):
     """Exact scaled dot-product attention on Hopper GPUs (FlashAttention-3 forward and backward).
@@ -567,7 +571,7 @@ _CHECKED_CALLS_MAX = 4096
 def _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, document_ids=None):
     """A key that fixes everything the checks read, or None (then the checks run). Only for plain tensors and
     arguments of exact builtin types, so that equal keys mean equal outcomes (1 == True, but an int causal must
-    still raise TypeError)."""
+    still raise TypeError; an int softcap, the default 0, is checked as float(softcap), so 0 and 0.0 are one key)."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None
     if any(isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided)
@@ -575,7 +579,7 @@ def _call_signature(q, k, v, softmax_scale, causal, window_size, softcap, determ
         return None  # refused by the checks, by name (no shapes or strides to key on)
     if q.dim() == 0 or k.dim() == 0 or v.dim() == 0:
         return None  # refused by the rank check, by name (stride(-1) below would raise an IndexError)
-    if (type(causal) is not bool or type(deterministic) is not bool or type(softcap) is not float
+    if (type(causal) is not bool or type(deterministic) is not bool or type(softcap) not in (float, int)
             or not (softmax_scale is None or type(softmax_scale) is float)
             or type(window_size) is not tuple or len(window_size) != 2
             or type(window_size[0]) is not int or type(window_size[1]) is not int
@@ -924,7 +928,7 @@ def attention_varlen(
     softmax_scale=None,
     causal=False,
     window_size=(-1, -1),
-    softcap=0.0,
+    softcap=0,
     return_lse=False,
     deterministic=False,
 ):

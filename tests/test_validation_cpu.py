@@ -731,6 +731,13 @@ def test_checked_call_cache_never_skips_a_check(monkeypatch):
     with pytest.raises(TypeError, match="dtype"):
         attention(q.float(), k, v, causal=True, window_size=(16, 0), softcap=0.0)
     assert len(interface._CHECKED_CALLS) == 1
+    # the default softcap (the int 0, session 73) and 0.0 are one remembered signature: no check per call
+    calls.clear()
+    for _ in range(3):
+        attention(q, k, v, causal=True, window_size=(16, 0))
+    assert len(calls) == 0 and len(interface._CHECKED_CALLS) == 1
+    with pytest.raises(ValueError, match="softcap must be finite"):
+        attention(q, k, v, causal=True, window_size=(16, 0), softcap=-1)
 
 
 @pytest.mark.skipif(not _ops.EXTENSION_LOADED, reason="the compiled extension is not built here (CI builds it)")
