@@ -762,8 +762,8 @@ def test_time_all_settle_discards_one_timing_per_backend():
 
 def test_time_all_rounds_rotation_and_lead_in(monkeypatch):
     """--rounds / rotation / lead-in: the first backend of the point's order is timed once and discarded, each round
-    reverses the order of the one before, the order rotates one step per call, and the kept median is the median of
-    the rounds' medians (a timing faster in one round does not decide the figure alone)."""
+    reverses the order of the one before, the order is rotated by the step drawn for the call (stubbed here: 0, then
+    1), and the kept median is the median of the rounds' medians (one faster round does not decide the figure)."""
     import types
 
     calls = []
