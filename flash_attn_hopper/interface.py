@@ -150,7 +150,7 @@ def _check_fwd_tiles(batch, nheads, seqlen_q, names, launches=True):
     Reached only by huge grids, e.g. seqlen_q 1 with batch x nheads near 2^31, or thousands of varlen sequences under
     a long max_seqlen_q or with tens of thousands of heads. seqlen_q: the rows the launcher covers per sequence;
     launches=False (no keys: the op fills the outputs without a launch) passes."""
-    tiles = -(-seqlen_q // _FWD_TILE_ROWS) * nheads * batch
+    tiles = (seqlen_q + _FWD_TILE_ROWS - 1) // _FWD_TILE_ROWS * nheads * batch  # (>= 0; no negation, see below)
     if launches and tiles > _MAX_FWD_TILES:
         raise ValueError(
             f"{names[0]} ({batch}) x {names[1]} ({nheads}) x ceil({names[2]} ({seqlen_q}) / {_FWD_TILE_ROWS}) = "
@@ -210,7 +210,9 @@ def _check_fwd_tiles_compiling(batch, nheads, seqlen_q, rows_k, max_seqlen_k, na
     if _guard_or_false(rows_k == 0) or _guard_or_false(max_seqlen_k == 0):
         return  # no launch
     bounds = seqlen_q if isinstance(seqlen_q, tuple) else (seqlen_q,)
-    tiles = [-(-b // _FWD_TILE_ROWS) * nheads * batch for b in bounds]  # the launch's count is the smallest
+    # the launch's count is the smallest; a ceiling without negation: torch 2.14's nested_compile_region reuse could
+    # not bind the expression -s of a symbolic size (dynamo's KeyError "-s52"; the bounds are >= 0)
+    tiles = [(b + _FWD_TILE_ROWS - 1) // _FWD_TILE_ROWS * nheads * batch for b in bounds]
     message = lambda: (  # noqa: E731 (torch.compile takes the message of torch._check only from a local function)
         "flash_attn_hopper: more than 2^31 - 1025 forward tiles (batch or sequences x nheads x query row blocks; "
         "int32 tile numbers): split the call")
