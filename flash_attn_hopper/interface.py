@@ -432,8 +432,8 @@ def attention(
             causal=True the right side is 0 (passing right > 0 then raises). Key tiles wholly outside the window are
             skipped, so the cost grows with the window, not with seqlen_k.
         softcap: keyword-only float (or int) >= 0, default 0; when > 0, scores become ``softcap * tanh(S / softcap)``
-            before the softmax (Gemma 2 style logit soft-capping), with the matching backward (factor ``1 - tanh²``). 0: off.
-            tanh is ``tanh.approx.f32`` (relative error ~2^-11) for both dtypes.
+            before the softmax (Gemma 2 style logit soft-capping), with the matching backward (factor
+            ``1 - tanh²``). 0: off. tanh is ``tanh.approx.f32`` (relative error ~2^-11) for both dtypes.
         deterministic: keyword-only bool; if True the backward adds the partial sums of dQ (and, with GQA, of dK
             and dV) in a fixed order, so repeated backward passes give bitwise-identical gradients (at some cost in
             speed); if False (default) they are added as they finish and the last bits may differ between runs.
