@@ -70,7 +70,8 @@ BACKEND_LABEL = {"ours": "ours", "cudnn": "cuDNN", "fa2": "FA2"}
 DIRECTIONS = ("fwd", "bwd")
 BWD_FLOPS_FACTOR = 2.5  # backward FLOPs / forward FLOPs
 # Forward: query rows (first and last REF_ROWS) and heads of batch element 0 checked against the float32 reference.
-# Backward: all rows of the first REF_HEADS heads of batch element 0 (dK and dV need every query row).
+# Backward: all rows of the first REF_HEADS heads of batch element 0 (dK and dV need every query row; GQA: every
+# query head of K/V head 0). Each point's bound is DESIGN.md §3's: 2 x the naive (input-dtype) reference's error.
 REF_ROWS = 128
 REF_HEADS = 2
 GRAD_NAMES = ("dq", "dk", "dv")
@@ -520,42 +521,73 @@ def _ref_rows(torch, seqlen, device):
     return torch.unique(torch.cat([head, tail]))
 
 
-def reference_slice(torch, q, k, v, causal, rows):
-    """float32 attention for batch 0, the first REF_HEADS heads and query rows `rows`: (R, H, d)."""
+def _outside_mask(seqlen, causal, window, device, rows=None):
+    """True where a key is masked for a query row (the rows `rows`, default all) at seqlen_q = seqlen_k = seqlen:
+    the library's window rule (testing.local_mask)."""
+    from .testing import local_mask
+
+    outside = ~local_mask(seqlen, seqlen, window_size=window, causal=causal, device=device)
+    return outside if rows is None else outside[rows]
+
+
+def _ref_options(ours_kw):
+    """(window, softcap) of a point from the keyword arguments ours runs it with."""
+    return tuple(ours_kw.get("window_size", (-1, -1))), float(ours_kw.get("softcap", 0.0))
+
+
+def reference_slice(torch, q, k, v, causal, rows, window=(-1, -1), softcap=0.0, upcast=True):
+    """Attention for batch 0, the first REF_HEADS query heads and query rows `rows`: (R, H, d), with the point's
+    window and softcap (scores c·tanh(S / c), then the mask) and GQA's head mapping (query head h reads K/V head
+    h // (nheads / nheads_k)). upcast=True: in float32 (the reference); upcast=False: in the input dtype, the naive
+    reference of DESIGN.md §3 whose error sets the bound."""
+    from .testing import _reference_mode
+
     heads = min(REF_HEADS, q.shape[2])
-    qs = q[0, rows, :heads].float()
-    ks = k[0, :, :heads].float()
-    vs = v[0, :, :heads].float()
-    scores = torch.einsum("rhd,shd->hrs", qs, ks) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:  # seqlen_q == seqlen_k: bottom-right and top-left alignment coincide
-        cols = torch.arange(k.shape[1], device=q.device)
-        scores = scores.masked_fill(cols[None, None, :] > rows[None, :, None], float("-inf"))
-    return torch.einsum("hrs,shd->rhd", torch.softmax(scores, dim=-1), vs)
+    kv = torch.arange(heads, device=q.device) // (q.shape[2] // k.shape[2])
+    dt = torch.float32 if upcast else q.dtype
+    with _reference_mode(q.device.type):
+        qs, ks, vs = q[0, rows, :heads].to(dt), k[0][:, kv].to(dt), v[0][:, kv].to(dt)
+        scores = torch.einsum("rhd,shd->hrs", qs, ks) * (1.0 / math.sqrt(q.shape[-1]))
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(_outside_mask(k.shape[1], causal, window, q.device, rows)[None], float("-inf"))
+        return torch.einsum("hrs,shd->rhd", torch.softmax(scores, dim=-1), vs)
 
 
-def reference_grads_head(torch, q, k, v, dout, causal, head):
-    """float32 (dq, dk, dv), each (seqlen, head_dim), of batch element 0 and one head, from the equations of the
-    backward (FlashAttention-3 paper §2.1): dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = α dS K,
-    dK = α dSᵀ Q. seqlen_q == seqlen_k. Holds about four seqlen² float32 matrices (4 GiB at seqlen 16384)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # real float32, no TF32
-    try:
-        qh, kh, vh, doh = (t[0, :, head].float() for t in (q, k, v, dout))
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        p = (qh @ kh.T).mul_(scale)
-        if causal:
-            n = p.shape[0]
-            p.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=p.device).triu_(1), float("-inf"))
-        p = torch.softmax(p, dim=-1)
-        dv = p.T @ doh
-        dsum = (doh * (p @ vh)).sum(dim=-1, keepdim=True)  # rowsum(dO ∘ O)
-        ds = (doh @ vh.T).sub_(dsum).mul_(p)
-        del p
-        dq = (ds @ kh).mul_(scale)
-        dk = (ds.T @ qh).mul_(scale)
-        return dq, dk, dv
-    finally:
-        torch.set_float32_matmul_precision(old)
+def reference_grads_kv_head(torch, q, k, v, dout, causal, kv_head, window=(-1, -1), softcap=0.0, upcast=True):
+    """(dq, dk, dv) of batch element 0 for K/V head `kv_head`: dq (seqlen, group, head_dim) of the query heads that
+    read it, dk and dv (seqlen, head_dim) summed over them (GQA), from the equations of the backward (FlashAttention-3
+    paper §2.1): dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), with a softcap dS ∘= 1 − tanh²(X / c),
+    dQ = α dS K, dK = α dSᵀ Q. upcast as reference_slice. seqlen_q == seqlen_k. Holds about five seqlen² matrices of
+    the compute dtype per query head (5 GiB in float32 at seqlen 16384)."""
+    from .testing import _reference_mode
+
+    group = q.shape[2] // k.shape[2]
+    dt = torch.float32 if upcast else q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    with _reference_mode(q.device.type):
+        kh, vh = k[0, :, kv_head].to(dt), v[0, :, kv_head].to(dt)
+        outside = _outside_mask(k.shape[1], causal, window, q.device)
+        dk, dv, dqs = torch.zeros_like(kh), torch.zeros_like(vh), []
+        for h in range(kv_head * group, (kv_head + 1) * group):
+            qh, doh = q[0, :, h].to(dt), dout[0, :, h].to(dt)
+            p = (qh @ kh.T).mul_(scale)
+            t = None
+            if softcap > 0:
+                t = torch.tanh(p / softcap)
+                p = t * softcap
+            p = torch.softmax(p.masked_fill_(outside, float("-inf")), dim=-1)
+            dv += p.T @ doh
+            dsum = (doh * (p @ vh)).sum(dim=-1, keepdim=True)  # rowsum(dO ∘ O)
+            ds = (doh @ vh.T).sub_(dsum).mul_(p)
+            del p
+            if t is not None:
+                ds.mul_(1 - t * t)
+                del t
+            dqs.append((ds @ kh).mul_(scale))
+            dk += (ds.T @ qh).mul_(scale)
+            del ds
+        return torch.stack(dqs, dim=1), dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -657,19 +689,18 @@ def _time_all(torch, timer, args, part, make_thunk, in_backend):
         part["ms"].setdefault(name, None)
 
 
-def _flag(errs_ours, errs_peers, floor):
-    """DESIGN.md §3 spirit, with the peers standing in for the same-precision reference: ours is flagged when its
-    error is not finite or exceeds 2 x the largest finite peer error + floor."""
-    peer = [e for e in errs_peers if math.isfinite(e)]
-    return not math.isfinite(errs_ours) or (bool(peer) and errs_ours > 2 * max(peer) + floor)
+def _flag(err_ours, err_naive, floor):
+    """DESIGN.md §3: ours is flagged when its error against the float32 reference is not finite or exceeds 2 x the
+    naive (input-dtype) reference's error + floor; a naive error that is not finite bounds nothing, so it flags too."""
+    return not (math.isfinite(err_naive) and err_ours <= 2 * err_naive + floor)  # (a NaN error fails)
 
 
 def run_fwd(torch, F, fah, timer, args, tensors, causal, flops, skip, in_backend, kw=None):
-    """kw: {"ours": extra keyword arguments of fah.attention, "peer": of SDPA, "ref": whether the float32 reference
-    check applies (dense MHA only)}."""
+    """kw: {"ours": extra keyword arguments of fah.attention (a window or softcap also shapes the references), "peer":
+    of SDPA}."""
     q, k, v, qt, kt, vt = tensors
     kw = kw or {}
-    ours_kw, peer_kw, with_ref = kw.get("ours", {}), kw.get("peer", {}), kw.get("ref", True)
+    ours_kw, peer_kw = kw.get("ours", {}), kw.get("peer", {})
     part = _new_part(flops)
     part["errors"].update(skip)
 
@@ -699,17 +730,19 @@ def run_fwd(torch, F, fah, timer, args, tensors, causal, flops, skip, in_backend
             for peer in ("cudnn", "fa2"):
                 if peer in outs:
                     chk[f"maxdiff_vs_{peer}"] = _max_abs(torch, outs["ours"], outs[peer])
-    if not args.no_check and outs and with_ref:
+    if not args.no_check and outs:
         chk = part["check"]
         rows = _ref_rows(torch, q.shape[1], q.device)
-        ref = reference_slice(torch, q, k, v, causal, rows)
+        window, softcap = _ref_options(ours_kw)
+        ref = reference_slice(torch, q, k, v, causal, rows, window, softcap)
         heads = ref.shape[1]
         chk["ref_rows"] = int(rows.numel())
         chk["ref_heads"] = heads
         chk["ref_err"] = {n: _max_abs(torch, o[0, rows, :heads], ref) for n, o in outs.items()}
+        chk["naive_err"] = _max_abs(torch, reference_slice(torch, q, k, v, causal, rows, window, softcap, False), ref)
         errs = chk["ref_err"]
         if "ours" in errs:
-            bad = _flag(errs["ours"], [e for n, e in errs.items() if n != "ours"], 1e-3)
+            bad = _flag(errs["ours"], chk["naive_err"], 1e-3)
             md = chk.get("maxdiff_vs_cudnn", chk.get("maxdiff_vs_fa2"))
             chk["flag"] = bool(bad or (md is not None and not math.isfinite(md)))
         del ref
@@ -723,7 +756,7 @@ def run_fwd(torch, F, fah, timer, args, tensors, causal, flops, skip, in_backend
 def run_bwd(torch, F, fah, timer, args, tensors, dout, causal, flops, skip, in_backend, kw=None):
     q, k, v, qt, kt, vt = tensors
     kw = kw or {}
-    ours_kw, peer_kw, with_ref = kw.get("ours", {}), kw.get("peer", {}), kw.get("ref", True)
+    ours_kw, peer_kw = kw.get("ours", {}), kw.get("peer", {})
     part = _new_part(flops)
     part["errors"].update(skip)
 
@@ -764,31 +797,34 @@ def run_bwd(torch, F, fah, timer, args, tensors, dout, causal, flops, skip, in_b
                     chk[f"maxdiff_vs_{peer}"] = max(
                         _max_abs(torch, a, b) for a, b in zip(grads["ours"], grads[peer])
                     )
-    if not args.no_check and grads and with_ref:
+    if not args.no_check and grads:
         chk = part["check"]
-        heads = min(REF_HEADS, q.shape[2])
-        errs = {n: {g: 0.0 for g in GRAD_NAMES} for n in grads}
+        group = q.shape[2] // k.shape[2]
+        kv_heads = max(1, min(REF_HEADS // group, k.shape[2]))  # GQA: every query head of a K/V head, for dK and dV
+        window, softcap = _ref_options(ours_kw)
+        errs = {n: {g: 0.0 for g in GRAD_NAMES} for n in list(grads) + ["naive"]}
         ref_max = {g: 0.0 for g in GRAD_NAMES}
-        for h in range(heads):
-            ref = reference_grads_head(torch, q, k, v, dout, causal, h)
+
+        def worst(acc, e):  # NaN sticks
+            return e if not math.isfinite(e) or not math.isfinite(acc) else max(acc, e)
+
+        for h in range(kv_heads):
+            ref = reference_grads_kv_head(torch, q, k, v, dout, causal, h, window, softcap)
+            naive = reference_grads_kv_head(torch, q, k, v, dout, causal, h, window, softcap, upcast=False)
+            qh = slice(h * group, (h + 1) * group)
             for gi, gname in enumerate(GRAD_NAMES):
                 ref_max[gname] = max(ref_max[gname], ref[gi].abs().max().item())
+                errs["naive"][gname] = worst(errs["naive"][gname], _max_abs(torch, naive[gi], ref[gi]))
                 for n, g in grads.items():
-                    e = _max_abs(torch, g[gi][0, :, h], ref[gi])
-                    errs[n][gname] = e if not math.isfinite(e) else max(errs[n][gname], e)
-            del ref
+                    mine = g[gi][0, :, qh] if gi == 0 else g[gi][0, :, h]
+                    errs[n][gname] = worst(errs[n][gname], _max_abs(torch, mine, ref[gi]))
+            del ref, naive
         chk["ref_rows"] = int(q.shape[1])
-        chk["ref_heads"] = heads
+        chk["ref_heads"] = kv_heads * group
+        chk["naive_err"] = errs.pop("naive")
         chk["ref_err"] = errs
         if "ours" in errs:
-            bad = any(
-                _flag(
-                    errs["ours"][g],
-                    [e[g] for n, e in errs.items() if n != "ours"],
-                    1e-3 * max(1.0, ref_max[g]),
-                )
-                for g in GRAD_NAMES
-            )
+            bad = any(_flag(errs["ours"][g], chk["naive_err"][g], 1e-3 * max(1.0, ref_max[g])) for g in GRAD_NAMES)
             md = chk.get("maxdiff_vs_cudnn", chk.get("maxdiff_vs_fa2"))
             chk["flag"] = bool(bad or (md is not None and not math.isfinite(md)))
     grads.clear()
@@ -859,19 +895,20 @@ def feature_support(fah, feature):
 
 
 def feature_kwargs(spec):
-    """(ours kwargs, peer kwargs, peer skip reason or None, float32 reference check applies)."""
+    """(ours kwargs, peer kwargs, peer skip reason or None). Every point is checked against the float32 reference of
+    its own problem (window, softcap and GQA included; varlen's equal lengths and deterministic mode are dense)."""
     f, causal = spec["feature"], spec["causal"]
     if f == "gqa":
-        return {}, {"enable_gqa": True}, None, False
+        return {}, {"enable_gqa": True}, None
     if f == "window":
-        return {"window_size": (WINDOW, 0 if causal else WINDOW)}, {}, "torch SDPA has no sliding-window kernel", False
+        return {"window_size": (WINDOW, 0 if causal else WINDOW)}, {}, "torch SDPA has no sliding-window kernel"
     if f == "softcap":
-        return {"softcap": SOFTCAP}, {}, "torch SDPA has no softcap kernel", False
+        return {"softcap": SOFTCAP}, {}, "torch SDPA has no softcap kernel"
     if f == "varlen":
-        return {"varlen": True}, {}, "torch SDPA has no variable-length kernel", False
+        return {"varlen": True}, {}, "torch SDPA has no variable-length kernel"
     if f == "deterministic":
-        return {"deterministic": True}, {}, "peers not run at the deterministic points (compare with dense)", False
-    return {}, {}, None, True
+        return {"deterministic": True}, {}, "peers not run at the deterministic points (compare with dense)"
+    return {}, {}, None
 
 
 EQUAL_WORK_TOLERANCE = 0.05  # how far a dense point's keys per row may sit from a window point's average
@@ -1169,8 +1206,8 @@ def run_point(torch, F, fah, timer, args, spec, dtype, ours_reason):
     nheads = args.hidden // head_dim
     nheads_kv = max(1, nheads // GQA_GROUP) if spec["feature"] == "gqa" else nheads
     fwd_flops = point_flops(spec, batch, nheads)
-    ours_kw, peer_kw, peer_reason, with_ref = feature_kwargs(spec)
-    kw = {"ours": ours_kw, "peer": peer_kw, "ref": with_ref}
+    ours_kw, peer_kw, peer_reason = feature_kwargs(spec)
+    kw = {"ours": ours_kw, "peer": peer_kw}
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed + 7919 * head_dim + 31 * seqlen + int(causal))
     shape = (batch, seqlen, nheads, head_dim)
     shape_kv = (batch, seqlen, nheads_kv, head_dim)
@@ -1568,11 +1605,14 @@ def _progress_line(i, n, rec):
         err_text = ", ".join(
             f"{BACKEND_LABEL[n]} {max(e.values()) if isinstance(e, dict) else e:.1e}" for n, e in errs.items()
         )
+        naive = part.get("check", {}).get("naive_err")
+        naive = max(naive.values()) if isinstance(naive, dict) else naive
+        naive_text = "" if naive is None else f" (naive {naive:.1e})"
         beside = "; ".join(f"{a['ratio']:.2f} x dense {ADJACENT_LABEL.get(a['kind'], a['kind'])} {a['seqlen']}"
                            for a in part.get("adjacent", []) if a.get("ratio") is not None)
         parts.append(
             f"{d}: ours {_fmt(t.get('ours'), '.1f')}, cuDNN {_fmt(t.get('cudnn'), '.1f')}, "
-            f"FA2 {_fmt(t.get('fa2'), '.1f')} TFLOP/s, fp32-ref err {err_text or 'n/a'}"
+            f"FA2 {_fmt(t.get('fa2'), '.1f')} TFLOP/s, fp32-ref err {err_text or 'n/a'}{naive_text}"
             f"{' FLAGGED' if part.get('check', {}).get('flag') else ''}"
             f"{f' (timed beside: {beside})' if beside else ''}"
         )

@@ -626,6 +626,72 @@ def test_adjacent_references_from_run_point_on_the_cpu(monkeypatch):
     assert "adjacent" not in run("dense", False, 64)["fwd"]
 
 
+def _reference_fah(fault=None):
+    """A stand-in for flash_attn_hopper on the CPU: testing.attention_ref in float32, returned in the input dtype (it
+    meets DESIGN.md §3's bound), or with one fault: "causal" drops the causal mask, "window" / "softcap" drop the
+    option, "gqa" maps query head h to K/V head h % nheads_k instead of h // (nheads / nheads_k)."""
+    import types
+
+    import torch
+
+    from flash_attn_hopper import testing
+
+    def attention(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+        if fault == "causal":
+            causal = False
+        if fault == "window":
+            window_size = (-1, -1)
+        if fault == "softcap":
+            softcap = 0.0
+        if fault == "gqa":
+            heads = torch.arange(q.shape[2]) % k.shape[2]
+            k, v = k[:, :, heads], v[:, :, heads]
+        out, _ = testing.attention_ref(q, k, v, causal=causal, window_size=window_size, softcap=softcap)
+        return out.to(q.dtype)
+
+    def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False):
+        b = cu_q.numel() - 1
+        out = attention(*(t.view(b, max_q, *t.shape[1:]) for t in (q, k, v)), causal=causal)
+        return out.reshape(q.shape)
+
+    return types.SimpleNamespace(attention=attention, attention_varlen=attention_varlen)
+
+
+@pytest.mark.parametrize("feature, fault", [("dense", "causal"), ("varlen", "causal"), ("deterministic", "causal"),
+                                            ("gqa", "gqa"), ("window", "window"), ("softcap", "softcap")])
+def test_every_point_is_checked_against_its_own_reference(monkeypatch, feature, fault):
+    """run_point's check on the CPU: every feature point (before session 74 only dense MHA points were) is compared
+    with the float32 reference of its own problem and bounded by DESIGN.md §3's rule (2 x the naive reference's
+    error + floor). A stand-in built on the reference passes in both directions; one that drops the feature's
+    meaning is flagged in both."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(nb, "DEVICE", "cpu")
+    monkeypatch.setattr(nb, "WINDOW", 8)  # a window narrower than the 64 keys
+    monkeypatch.setattr(nb, "SOFTCAP", 1.0)  # a softcap that changes scores of unit size
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    args = nb.parse_args(["--tokens", "128", "--hidden", "256", "--head-dims", "32", "--backends", "ours",
+                          "--no-adjacent"])
+    spec = {"feature": feature, "head_dim": 32, "causal": True, "seqlen": 64}
+
+    def run(fah):
+        return nb.run_point(torch, F, fah, lambda fn: (fn(), {"median": 1.0})[1], args, spec, torch.bfloat16,
+                            lambda hd: None)
+
+    good, bad = run(_reference_fah()), run(_reference_fah(fault))
+    assert good["nheads_kv"] == (2 if feature == "gqa" else 8)
+    for d in ("fwd", "bwd"):
+        chk = good[d]["check"]
+        naive = chk["naive_err"] if d == "bwd" else {"out": chk["naive_err"]}
+        ours = chk["ref_err"]["ours"] if d == "bwd" else {"out": chk["ref_err"]["ours"]}
+        assert all(0 < x < 0.1 for x in naive.values()), naive  # bf16 rounding, not zero, not a wrong answer
+        assert chk["flag"] is False and all(ours[g] <= 2 * naive[g] for g in ours), (ours, naive)
+        assert bad[d]["check"]["flag"] is True, (d, bad[d]["check"])
+    assert good["bwd"]["check"]["ref_heads"] == (4 if feature == "gqa" else 2)  # GQA: the group of K/V head 0
+
+
 def test_feature_ratios_show_the_references_timed_beside():
     results = []
     for causal, s, t in ((False, 16384, 640.0), (True, 16384, 620.0)):
@@ -730,8 +796,8 @@ def test_varlen_point_packs_equal_lengths():
             return q * 2
 
     assert nb.feature_support(Fah, "varlen") is None
-    ours_kw, _, peer_reason, with_ref = nb.feature_kwargs({"feature": "varlen", "causal": True})
-    assert ours_kw == {"varlen": True} and "variable-length" in peer_reason and not with_ref
+    ours_kw, _, peer_reason = nb.feature_kwargs({"feature": "varlen", "causal": True})
+    assert ours_kw == {"varlen": True} and "variable-length" in peer_reason
     q = torch.randn(3, 5, 4, 8)
     k = torch.randn(3, 5, 2, 8)
     out = nb._ours_call(Fah, q, k, k, True, ours_kw)
