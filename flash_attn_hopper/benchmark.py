@@ -1424,6 +1424,13 @@ def make_config(args):
         "bwd timing": "torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) after one forward",
     }
     cfg["feature_params"] = {"gqa_group": GQA_GROUP, "window": WINDOW, "softcap": SOFTCAP}
+    # What the numbers were measured on: the inputs' distribution moves a kernel with a lazy rescale (the forward
+    # rescales O only when a row's maximum grows past a threshold), and the peers are torch's own builds.
+    cfg["inputs"] = "q, k, v, dO: standard normal (torch.randn), seeded per point (--seed)"
+    cfg["peer_implementations"] = {
+        "cudnn": "torch SDPA backend CUDNN_ATTENTION (the cuDNN of meta.cudnn)",
+        "fa2": "torch SDPA backend FLASH_ATTENTION (the FlashAttention-2 kernels built into meta.torch)",
+    }
     return cfg
 
 
@@ -1687,21 +1694,30 @@ def slowdown(base_tflops, now_tflops):
     return base_tflops / now_tflops - 1.0
 
 
+def _shape_text(rec):
+    """A point's problem size beyond its key ("batch 4 x nheads 16 / nheads_kv 16"), or None when not recorded."""
+    if not all(isinstance(rec.get(f), int) for f in ("batch", "nheads")):
+        return None
+    return f"batch {rec['batch']} x nheads {rec['nheads']} / nheads_kv {rec.get('nheads_kv', rec['nheads'])}"
+
+
 def compare_records(current, baseline, threshold=0.05, remeasure=None):
     """Compares ours per point (key and direction) between two records.
 
     A point is slower when slowdown(baseline, current) > threshold. Slower points are re-measured once through
     remeasure(keys) -> {key: TFLOP/s or None} when given; a point still slower then (or not re-measured) is a
     regression. Points with a number of ours on one side only are reported in missing_now / missing_base (so is a
-    point whose TFLOP/s is not a positive finite number: NaN, 0). threshold: a finite fraction >= 0 (ValueError).
+    point whose TFLOP/s is not a positive finite number: NaN, 0); points measured at another batch or head count
+    (another --tokens / --hidden) in other_shape, not compared. threshold: a finite fraction >= 0 (ValueError).
     Returns a dict: threshold, rows (one per point with numbers on both sides), regressions, noise (slower at
-    first, fine on re-measure), missing_now, missing_base (lists of (key, reason)), remeasured (bool), notes.
+    first, fine on re-measure), missing_now, missing_base, other_shape (lists of (key, reason)), remeasured (bool),
+    notes.
     """
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 <= threshold < math.inf:
         raise ValueError(f"threshold must be a finite fraction >= 0, got {threshold!r}")
     cur, base = _index(current), _index(baseline)
     keys = list(cur) + [k for k in base if k not in cur]
-    rows, missing_now, missing_base = [], [], []
+    rows, missing_now, missing_base, other_shape = [], [], [], []
     for key in keys:
         now, why_now = _ours(cur.get(key))
         was, why_base = _ours(base.get(key))
@@ -1712,6 +1728,10 @@ def compare_records(current, baseline, threshold=0.05, remeasure=None):
             continue
         if was is None:
             missing_base.append((key, why_base))
+            continue
+        shape_now, shape_base = _shape_text(cur[key][0]), _shape_text(base[key][0])
+        if shape_now and shape_base and shape_now != shape_base:  # (records without the fields: compared)
+            other_shape.append((key, f"{shape_now} here, {shape_base} in the baseline"))
             continue
         peers = {}
         for p in PEERS:
@@ -1755,6 +1775,7 @@ def compare_records(current, baseline, threshold=0.05, remeasure=None):
         "noise": [r for r in rows if r["status"] == "noise"],
         "missing_now": missing_now,
         "missing_base": missing_base,
+        "other_shape": other_shape,
         "remeasured": remeasured,
         "notes": notes,
     }
@@ -1796,6 +1817,9 @@ def format_comparison(cmp, baseline_name="baseline"):
     if cmp["missing_base"]:
         lines.append(f"missing in the baseline ({len(cmp['missing_base'])} points, reported, not failed):")
         lines += [f"  {key_text(k)}: {why}" for k, why in cmp["missing_base"]]
+    if cmp.get("other_shape"):
+        lines.append(f"measured at another shape ({len(cmp['other_shape'])} points, reported, not compared):")
+        lines += [f"  {key_text(k)}: {why}" for k, why in cmp["other_shape"]]
     if cmp["noise"]:
         lines.append(
             f"{len(cmp['noise'])} points were slower at first and within the threshold on re-measure: "
@@ -1832,6 +1856,7 @@ def comparison_summary(cmp, baseline_path):
         "noise": [key_text(r["key"]) for r in cmp["noise"]],
         "missing_now": [f"{key_text(k)}: {why}" for k, why in cmp["missing_now"]],
         "missing_base": [f"{key_text(k)}: {why}" for k, why in cmp["missing_base"]],
+        "other_shape": [f"{key_text(k)}: {why}" for k, why in cmp.get("other_shape", [])],
         "notes": cmp["notes"],
     }
 

@@ -187,6 +187,26 @@ def test_missing_points_are_reported_not_failed():
     assert text.splitlines()[-1].startswith("compare: PASS")
 
 
+def test_points_measured_at_another_shape_are_not_compared():
+    """A baseline run with another --tokens / --hidden has the same point keys at another batch or head count: those
+    points are listed, not compared (a 10 % slower baseline at twice the batch would otherwise pass or fail on the
+    shape); records without the fields still compare."""
+    cur, base = make_record(), make_record(scale=1.5)
+    for r in base["results"]:
+        if r.get("head_dim") == 128 and not r.get("skipped"):
+            r["batch"] *= 2
+    cmp = nb.compare_records(cur, base, 0.05)
+    other = dict(cmp["other_shape"])
+    assert set(other) == {_key(128, c, s, d) for c in (False, True) for s in SEQLENS for d in nb.DIRECTIONS}
+    assert "batch 4 x nheads 16 / nheads_kv 16 here, batch 8" in other[_key(128, False, 4096, "fwd")]
+    assert cmp["regressions"] and all(r["key"][2] != 128 for r in cmp["rows"])  # the other head dims compare
+    assert f"measured at another shape ({len(other)} points, reported, not compared)" in nb.format_comparison(cmp)
+    for doc in (cur, base):
+        for r in doc["results"]:
+            r.pop("batch", None)
+    assert not nb.compare_records(cur, base, 0.05)["other_shape"]
+
+
 def test_feature_measured_now_but_skipped_in_baseline_is_new():
     cur, base = make_record(), make_record()
     gqa = next(r for r in cur["results"] if r.get("feature") == "gqa" and not r["causal"])
