@@ -538,13 +538,14 @@ def _ref_options(ours_kw):
 def reference_slice(torch, q, k, v, causal, rows, window=(-1, -1), softcap=0.0, upcast=True):
     """Attention for batch 0, the first REF_HEADS query heads and query rows `rows`: (R, H, d), with the point's
     window and softcap (scores c·tanh(S / c), then the mask) and GQA's head mapping (query head h reads K/V head
-    h // (nheads / nheads_k)). upcast=True: in float32 (the reference); upcast=False: in the input dtype, the naive
-    reference of DESIGN.md §3 whose error sets the bound."""
+    h // (nheads / nheads_k)). upcast=True: fp16 / bf16 inputs in float32 (the reference; float32 and float64 inputs
+    stay as they are); upcast=False: in the input dtype, the naive reference of DESIGN.md §3 whose error sets the
+    bound."""
     from .testing import _reference_mode
 
     heads = min(REF_HEADS, q.shape[2])
     kv = torch.arange(heads, device=q.device) // (q.shape[2] // k.shape[2])
-    dt = torch.float32 if upcast else q.dtype
+    dt = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     with _reference_mode(q.device.type):
         qs, ks, vs = q[0, rows, :heads].to(dt), k[0][:, kv].to(dt), v[0][:, kv].to(dt)
         scores = torch.einsum("rhd,shd->hrs", qs, ks) * (1.0 / math.sqrt(q.shape[-1]))
@@ -563,7 +564,7 @@ def reference_grads_kv_head(torch, q, k, v, dout, causal, kv_head, window=(-1, -
     from .testing import _reference_mode
 
     group = q.shape[2] // k.shape[2]
-    dt = torch.float32 if upcast else q.dtype
+    dt = torch.float32 if upcast and q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1])
     with _reference_mode(q.device.type):
         kh, vh = k[0, :, kv_head].to(dt), v[0, :, kv_head].to(dt)

@@ -646,6 +646,39 @@ def test_adjacent_references_from_run_point_on_the_cpu(monkeypatch):
     assert "adjacent" not in run("dense", False, 64)["fwd"]
 
 
+@pytest.mark.parametrize("group, causal, window, softcap", [(1, False, (-1, -1), 0.0), (1, True, (-1, -1), 0.0),
+                                                        (4, False, (5, 5), 0.0), (2, True, (7, 0), 2.0),
+                                                        (1, False, (-1, -1), 1.5), (4, True, (-1, -1), 0.0)])
+def test_benchmark_references_agree_with_testing(group, causal, window, softcap):
+    """The benchmark's own references (a row slice of the forward, one K/V head's gradients from the equations, both
+    kept small enough for seqlen 16384) against flash_attn_hopper.testing's attention_ref / attention_bwd_ref on the
+    same float64 problem, with GQA's head mapping, windows, causal and softcap."""
+    torch = pytest.importorskip("torch")
+    from flash_attn_hopper import testing
+
+    gen = torch.Generator().manual_seed(group * 100 + int(causal) * 10 + window[0])
+    seqlen, nheads, head_dim = 37, 4, 16
+    q = torch.randn(2, seqlen, nheads, head_dim, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, seqlen, nheads // group, head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(2, seqlen, nheads, head_dim, generator=gen, dtype=torch.float64)
+    opts = dict(causal=causal, window_size=window, softcap=softcap)
+    rows = torch.tensor([0, 3, 17, 36])
+    got = nb.reference_slice(torch, q, k, v, causal, rows, window, softcap)
+    want, _ = testing.attention_ref(q, k, v, **opts)
+    heads = min(nb.REF_HEADS, nheads)
+    assert got.shape == (4, heads, head_dim)
+    torch.testing.assert_close(got, want[0, rows, :heads], rtol=1e-12, atol=1e-12)
+    dq, dk, dv = testing.attention_bwd_ref(q, k, v, dout, **opts)
+    for kv_head in range(nheads // group):
+        g = nb.reference_grads_kv_head(torch, q, k, v, dout, causal, kv_head, window, softcap)
+        torch.testing.assert_close(g[0], dq[0, :, kv_head * group:(kv_head + 1) * group], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g[1], dk[0, :, kv_head], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g[2], dv[0, :, kv_head], rtol=1e-12, atol=1e-12)
+    naive = nb.reference_slice(torch, q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, rows, window, softcap,
+                               upcast=False)
+    assert naive.dtype == torch.bfloat16  # the naive reference stays in the input dtype
+
+
 def _reference_fah(fault=None):
     """A stand-in for flash_attn_hopper on the CPU: testing.attention_ref in float32, returned in the input dtype (it
     meets DESIGN.md §3's bound), or with one fault: "causal" drops the causal mask, "window" / "softcap" drop the
