@@ -806,8 +806,8 @@ def run_bwd(torch, F, fah, timer, args, tensors, dout, causal, flops, skip, in_b
         errs = {n: {g: 0.0 for g in GRAD_NAMES} for n in list(grads) + ["naive"]}
         ref_max = {g: 0.0 for g in GRAD_NAMES}
 
-        def worst(acc, e):  # NaN sticks
-            return e if not math.isfinite(e) or not math.isfinite(acc) else max(acc, e)
+        def worst(acc, e):  # a NaN (or inf) of any head sticks
+            return acc if not math.isfinite(acc) else e if not math.isfinite(e) else max(acc, e)
 
         for h in range(kv_heads):
             ref = reference_grads_kv_head(torch, q, k, v, dout, causal, h, window, softcap)

@@ -2,9 +2,9 @@
 
 HA: the kernels alternately on two GPUs of one process. Dao-AILab/flash-attention#1793 (the CuTe forward returned
 wrong values for tensors on any GPU but cuda:0: it launched on the current device, not the tensors') and
-flashinfer-ai/flashinfer#452 (a decode kernel hit an illegal memory access once its tensors were on cuda:1).
-csrc keeps launch state per device: each kernel's 228 KiB dynamic shared-memory attribute is set once per (kernel,
-device) (`set_max_dynamic_smem_once`, a bit per device), the SM count and the sm90 check are cached per device, and
+flashinfer-ai/flashinfer#452 (a decode kernel hit an illegal memory access once its tensors were on cuda:1). csrc
+keeps launch state per device: each kernel's 228 KiB dynamic shared-memory attribute is set once per (kernel, device)
+(`set_max_dynamic_smem_once`, a bit per device), the SM count and the sm90 check are cached per device, and
 interface.py caches the sm90 answer and the cu_seqlens / document-bounds notes per device and stream. Class 27 ran one
 dense head_dim 128 call on cuda:1; rounds 6, 11 and 24 listed "the same kernels alternately on two GPUs" as found but
 not tested. Cases (each in a fresh process, so that every first call of a kernel is a first call; 2 sm90 GPUs or
@@ -13,9 +13,11 @@ interleaved per workload, starting on cuda:0. Workloads: dense GQA causal with d
 softcap (bf16 head_dim 64), head_dim 256 (bf16), varlen with empty sequences (bf16 head_dim 96), packed documents
 (bf16 head_dim 128), all deterministic, and a forward that reaches the exact pass (one-hot scores, fp16 head_dim 64).
 Required: results on cuda:1 bitwise those on cuda:0 (where both GPUs are the same model with the same SM count), by
-the rule, every output on its inputs' device; both devices' calls issued before either is synchronised give the same
-bits; a CUDA graph captured on cuda:1 (torch.cuda.graph makes it current for the capture) replays, cuda:0 current, to
-the eager bits; cu_seqlens or document_ids on the other GPU refused by name (ValueError) before any launch.
+the rule, every output on its inputs' device (the other device current covers the forward's launch: autograd runs the
+backward on its worker thread for the tensors' device, which makes that device current); both devices' calls issued
+before either is synchronised give the same bits; a CUDA graph captured on cuda:1 (torch.cuda.graph makes it current
+for the capture) replays, cuda:0 current, to the eager bits; cu_seqlens or document_ids on the other GPU refused by
+name (ValueError) before any launch.
 
 HB: the options of one torch.compile'd function changing between calls. pytorch/pytorch#197889: a Python float that
 changes between calls (SDPA's `scale` among others) kept an earlier value in the cached graph under the default
@@ -29,15 +31,16 @@ eager call with the same values (out, LSE, dQ, dK, dV; deterministic backward), 
 value, and consecutive schedule entries giving different results (so a stale value cannot pass).
 
 HC: saved inputs whose storage is freed after the forward and restored at another address before the backward, as
-FSDP2's reshard_after_forward does with parameters (`untyped_storage().resize_(0)`, then `resize_` and the all-gathered
-values copied in under `torch.autograd._unsafe_preserve_version_counter`, so autograd's version check passes).
-pytorch/pytorch#173794: tensors that escaped the forward (k/v caching in attention) were read in the backward after
-FSDP2 had freed their storage; pytorch/pytorch#118017 (FSDP2's reshard_after_forward). Queries and keys are
+FSDP2's reshard_after_forward does with parameters (`untyped_storage().resize_(0)`, then `resize_` and the
+all-gathered values copied in under `torch.autograd._unsafe_preserve_version_counter`, so autograd's version check
+passes). pytorch/pytorch#173794: tensors that escaped the forward (k/v caching in attention) were read in the backward
+after FSDP2 had freed their storage; pytorch/pytorch#118017 (FSDP2's reshard_after_forward). Queries and keys are
 parameters when they are learned (Perceiver / Q-Former latent queries, prefix or memory tokens), so the op's saved q,
 k, v may be such views. A backward that uses anything of the forward's but the saved tensors themselves (a pointer, a
-TMA descriptor built in the forward) reads the freed block, which the test refills with NaN. Cases: q, k, v as views
-of one flat buffer (FSDP2's all-gather output), as three separate parameters, and the varlen form. Required: the
-pointers moved (premise), gradients bitwise a run without the reshard (deterministic) and by the rule.
+TMA descriptor built in the forward) reads the freed range, which holds NaN (set before the free; blockers take it).
+Cases: q, k, v as views of one flat buffer (FSDP2's all-gather output), as three separate parameters, and the varlen
+form. Required: the restored storage apart from the freed range (premise; else a skip naming it), gradients bitwise a
+run without the reshard (deterministic) and by the rule.
 
 Inputs are Gaussian from the per-test seed (tests/conftest.py; the children seed from the case name). Skipped, with
 the reason, without an sm90 GPU and the built extension (conftest.py), and per test when the build lacks a head_dim /
@@ -53,7 +56,8 @@ from gpu_helpers import GRAD_NAMES, assert_same_bits, cu_seqlens, require_built
 pytestmark = [pytest.mark.requires_sm90, pytest.mark.gpu]
 
 DEVICE = "cuda"
-CHILD_TIMEOUT = 240  # seconds: a child imports, initialises two GPUs and runs 6 small workloads on each
+CHILD_TIMEOUT = 180  # seconds, below the device check's 200 s per test (its output is kept): a child imports,
+# initialises two GPUs and runs five small workloads and the one-hot forward on each
 
 
 def randn(*shape, dtype, device=None):
@@ -99,7 +103,7 @@ class Workload:
 
 
 def ha_workloads(device="cpu"):
-    """The six workloads of HA (inputs on `device`, normally the CPU)."""
+    """The five workloads of HA (inputs on `device`, normally the CPU); the one-hot forward is apart."""
     gen = torch.Generator().manual_seed(40)
     f16, b16 = torch.float16, torch.bfloat16
 
@@ -413,40 +417,53 @@ def test_compiled_options_changing_between_calls(kind, backend, dynamic):
         eager[values] = hb_step(f, q, k, v, dout, dlse, *values)
         hb_check_rule(kind, q, k, v, dout, dlse, extra, values, eager[values])
     hb_check_changes([eager[values] for values in HB_SCHEDULE], HB_SCHEDULE, f"{kind} eager")
-    with torch._dynamo.config.patch(recompile_limit=64):
-        for i, values in enumerate(HB_SCHEDULE):
-            got = hb_step(compiled, q, k, v, dout, dlse, *values)
-            for what, a, b in zip(("out", "lse", *GRAD_NAMES), eager[values], got):
-                assert_same_bits(b, a, f"{kind} {backend} call {i} {values} {what}",
-                                 " (eager at the same values; a compiled graph holding an earlier call's value?)")
-    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=64):
+            for i, values in enumerate(HB_SCHEDULE):
+                got = hb_step(compiled, q, k, v, dout, dlse, *values)
+                for what, a, b in zip(("out", "lse", *GRAD_NAMES), eager[values], got):
+                    assert_same_bits(b, a, f"{kind} {backend} call {i} {values} {what}",
+                                     " (eager at the same values; a compiled graph holding an earlier call's value?)")
+    finally:
+        torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------ HC: saved inputs resharded by FSDP2
 
+HC_ATTEMPTS = 8  # frees and restores until the restored storage lies outside the freed range
+
+
 def hc_reshard(flat, poison=True):
-    """FSDP2's reshard_after_forward and the unshard before the backward on `flat` (a tensor owning its storage):
-    the storage freed, its block refilled with NaN (blockers of the same size, allocated until the allocator places one
-    in the freed block, at most 16), the storage reallocated (elsewhere, once a blocker holds the old block) and the
-    same values copied back without a version bump. Returns (old data pointer, new data pointer, whether a blocker
-    holds the old block, the blockers), the blockers to be kept alive until the backward has run (the freed block
-    then still holds NaN)."""
+    """FSDP2's reshard_after_forward and the unshard before the backward on `flat` (a tensor owning its storage): the
+    values set to NaN (without a version bump) and the storage freed, its block taken by NaN blockers of the same size
+    where the allocator places one there (best effort: a freed block merged with a free neighbour starts elsewhere),
+    the storage reallocated and the saved values copied back without a version bump. Repeated, the blockers kept,
+    until the restored storage does not overlap the freed range (at most HC_ATTEMPTS times): that range then holds
+    NaN or a blocker's NaN, whichever allocation covers it. Returns (old data pointer, new data pointer, whether the
+    ranges are apart, the blockers), the blockers to be kept alive until the backward has run."""
     saved = flat.detach().clone()
     old = flat.data_ptr()
     nbytes = flat.untyped_storage().nbytes()
-    flat.untyped_storage().resize_(0)
     blockers = []
-    while poison and len(blockers) < 16:
-        blockers.append(torch.full((nbytes // flat.element_size(),), float("nan"), dtype=flat.dtype,
-                                   device=flat.device))
-        if blockers[-1].data_ptr() == old:
+    for _ in range(HC_ATTEMPTS):
+        if poison:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
+                flat.fill_(float("nan"))
+        flat.untyped_storage().resize_(0)
+        for _ in range(16 if poison else 0):
+            blockers.append(torch.full((nbytes // flat.element_size(),), float("nan"), dtype=flat.dtype,
+                                       device=flat.device))
+            if blockers[-1].data_ptr() == old:
+                break
+        flat.untyped_storage().resize_(nbytes)
+        new = flat.data_ptr()
+        apart = new >= old + nbytes or new + nbytes <= old
+        if apart or not poison:
             break
-    held = any(b.data_ptr() == old for b in blockers)
-    flat.untyped_storage().resize_(nbytes)
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat):
         flat.copy_(saved)
     synchronize(flat.device)
-    return old, flat.data_ptr(), held, blockers
+    return old, flat.data_ptr(), apart, blockers
 
 
 def hc_inputs(case, device=None):
@@ -492,7 +509,7 @@ def hc_forward(leaves, extra):
 
 def hc_run(case, reshard, device=None):
     """((out, lse, dq, dk, dv), the input values, dout, dlse, varlen args, pointers) of case's forward, then
-    (reshard: FSDP2's free and restore of every owner) the backward; pointers lists (old, new, held) per owner."""
+    (reshard: FSDP2's free and restore of every owner) the backward; pointers lists (old, new, apart) per owner."""
     leaves, values, owners, dout, dlse, extra = hc_inputs(case, device)
     out, lse = hc_forward(leaves, extra)
     moved = [hc_reshard(o) for o in owners] if reshard else []
@@ -513,10 +530,10 @@ def test_saved_inputs_resharded_between_forward_and_backward(case, seed):
     for a, b in zip(values, values2):
         if not torch.equal(a, b):
             raise AssertionError("premise: the two runs draw the same inputs")
-    for old, new, held in pointers:
-        if old == new or not held:
-            raise AssertionError(f"{case}: premise: the freed block is not held by a NaN blocker (held {held}) or the "
-                                 "restored storage is at the freed one's address")
+    for old, new, apart in pointers:
+        if not apart:  # the allocator's choice, not the library's: no result of the library is judged here
+            pytest.skip(f"{case}: premise not arranged: the restored storage overlapped the freed range in "
+                        f"{HC_ATTEMPTS} frees and restores (old {old:#x}, new {new:#x})")
     for what, a, b in zip(("out", "lse", *GRAD_NAMES), plain, got):
         assert_same_bits(b, a, f"{case} {what}", " (without the reshard; a backward reading the freed block gets "
                                                  "NaN or another tensor's values)")

@@ -5,6 +5,7 @@ measurement is replaced by a fake runner (main's runner_factory seam), so the wh
 import copy
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -679,10 +680,21 @@ def test_benchmark_references_agree_with_testing(group, causal, window, softcap)
     assert naive.dtype == torch.bfloat16  # the naive reference stays in the input dtype
 
 
+def test_flag_is_design_rule():
+    """_flag: DESIGN.md §3's bound exactly (2 x the naive error + floor passes, a hair more fails); a NaN or inf of
+    ours flags, and so does a naive error that bounds nothing."""
+    n, f = 3e-3, 1e-3
+    assert nb._flag(2 * n + f, n, f) is False and nb._flag(0.0, n, f) is False
+    assert nb._flag((2 * n + f) * (1 + 1e-9), n, f) is True
+    for bad in (float("nan"), float("inf")):
+        assert nb._flag(bad, n, f) is True and nb._flag(0.0, bad, f) is True
+
+
 def _reference_fah(fault=None):
     """A stand-in for flash_attn_hopper on the CPU: testing.attention_ref in float32, returned in the input dtype (it
     meets DESIGN.md §3's bound), or with one fault: "causal" drops the causal mask, "window" / "softcap" drop the
-    option, "gqa" maps query head h to K/V head h % nheads_k instead of h // (nheads / nheads_k)."""
+    option, "gqa" maps query head h to K/V head h % nheads_k instead of h // (nheads / nheads_k), "nan_head0"
+    puts one NaN into the output gradient of query head 0 (so into its dQ and the dK, dV of its K/V head)."""
     import types
 
     import torch
@@ -700,7 +712,23 @@ def _reference_fah(fault=None):
             heads = torch.arange(q.shape[2]) % k.shape[2]
             k, v = k[:, :, heads], v[:, :, heads]
         out, _ = testing.attention_ref(q, k, v, causal=causal, window_size=window_size, softcap=softcap)
-        return out.to(q.dtype)
+        out = out.to(q.dtype)
+        if fault == "nan_head0":
+            out = NanGradHead0.apply(out)
+        return out
+
+    class NanGradHead0(torch.autograd.Function):
+        """Identity forward; its backward puts one NaN into the gradient of query head 0 (row 0)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            g = g.clone()
+            g[0, 0, 0, 0] = float("nan")
+            return g
 
     def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False):
         b = cu_q.numel() - 1
@@ -734,6 +762,8 @@ def test_every_point_is_checked_against_its_own_reference(monkeypatch, feature, 
                             lambda hd: None)
 
     good, bad = run(_reference_fah()), run(_reference_fah(fault))
+    nan_first = run(_reference_fah("nan_head0"))  # one NaN in query head 0's dQ only: a later finite head keeps it
+    assert nan_first["bwd"]["check"]["flag"] is True and math.isnan(nan_first["bwd"]["check"]["ref_err"]["ours"]["dq"])
     assert good["nheads_kv"] == (2 if feature == "gqa" else 8)
     for d in ("fwd", "bwd"):
         chk = good[d]["check"]
