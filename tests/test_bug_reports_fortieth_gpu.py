@@ -139,19 +139,25 @@ def ha_one_hot(device):
     return q, k, v
 
 
+def ha_call(w, device):
+    """(out, lse, dq, dk, dv) of workload w with its inputs on `device`, unsynchronised (the current device as the
+    caller set it)."""
+    (q, k, v, dout, dlse), opts, extra = w.to(device)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    if extra is None:
+        out, lse = flash_attn_hopper.attention(*leaves, return_lse=True, **opts)
+    else:
+        out, lse = flash_attn_hopper.attention_varlen(*leaves, *extra, return_lse=True, **opts)
+    grads = torch.autograd.grad([out, lse], leaves, [dout, dlse])
+    return (out.detach(), lse.detach(), *grads)
+
+
 def ha_run(w, device, other):
     """(out, lse, dq, dk, dv) of workload w on `device` while `other` is the current device, on the CPU; each output
     asserted to be on `device`."""
     device = torch.device(device)
     with torch.cuda.device(other):
-        (q, k, v, dout, dlse), opts, extra = w.to(device)
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        if extra is None:
-            out, lse = flash_attn_hopper.attention(*leaves, return_lse=True, **opts)
-        else:
-            out, lse = flash_attn_hopper.attention_varlen(*leaves, *extra, return_lse=True, **opts)
-        grads = torch.autograd.grad([out, lse], leaves, [dout, dlse])
-        results = (out.detach(), lse.detach(), *grads)
+        results = ha_call(w, device)
         for what, t in zip(("out", "lse", *GRAD_NAMES), results):
             if t.device != device:
                 raise AssertionError(f"{w.name}: {what} on {t.device}, its inputs on {device}")
@@ -228,14 +234,7 @@ def ha_child(order):
     pending = []
     for d in (1, 0):
         with torch.cuda.device(1 - d):
-            (q, k, v, dout, dlse), opts, extra = w.to(torch.device("cuda", d))
-            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-            if extra is None:
-                out, lse = flash_attn_hopper.attention(*leaves, return_lse=True, **opts)
-            else:
-                out, lse = flash_attn_hopper.attention_varlen(*leaves, *extra, return_lse=True, **opts)
-            grads = torch.autograd.grad([out, lse], leaves, [dout, dlse])
-            pending.append((d, (out.detach(), lse.detach(), *grads)))
+            pending.append((d, ha_call(w, torch.device("cuda", d))))
     for d, r in pending:
         ha_compare(w.name, results[d][w.name], tuple(t.cpu() for t in r), f"cuda:{d}, both devices busy at once")
     ha_graph_on_cuda1(work)
