@@ -5,8 +5,9 @@ returned wrong output (0.1-0.3 % of the elements off by up to 1.9) instead of de
 vllm-project/vllm#45563: a KV cache of one fp8 encoding (e4m3fnuz) read as another (e4m3fn) changed K and V before
 the kernels consumed them. The library computes in fp16 / bf16 only (DESIGN.md section 2): any float8 (e4m3fn, e5m2,
 their fnuz forms, e8m0fnu) or float4 tensor as q, k or v, and an fp8 KV cache beside bf16 queries, must be refused by
-name before a launch, by the Python functions and by the ops themselves when called directly (their C++ checks), in
-eager and under torch.compile; the next ordinary call must then be right (no sticky error, nothing written).
+name before a launch: by the Python functions in eager and under torch.compile (aot_eager, fullgraph), and by the
+ops themselves called directly in eager (their C++ checks; a compiled direct op call reaches the fake kernels' mirror of
+those checks, run on the CPU by the CPU file); the next ordinary call must then be right (no sticky error).
 
 HE: one-token problems and the narrowest head dims with inputs of spread 3. Dao-AILab/flash-attention#334: NaN in dQ
 for q, k, v of shape (1, 1, 1, 16) drawn with standard deviation 3 and dO all ones; Dao-AILab/flash-attention#1052:
@@ -21,10 +22,12 @@ HF: tensors that come through DLPack. pytorch/pytorch#99803: strides of a (1, 77
 `from_dlpack(to_dlpack(a))`; pytorch/pytorch#83069: exporters may normalise (or not) the strides of size-1 dimensions.
 Other producers (CuPy, JAX, TensorRT, Paddle) hand PyTorch tensors whose size-1 dimensions carry stride 1 or any
 value, and share memory with the exporter. Cases: an MQA decode (batch 1, one query row, one K/V head) whose q, k, v
-and dO are imported through a DLPack capsule and through the `__dlpack__` protocol, and then re-strided as a
-normalising producer gives them (every size-1 dimension stride 1); varlen with cu_seqlens imported through DLPack;
-packed documents with document_ids imported through DLPack. Required: out, LSE, dQ, dK, dV bitwise the call on the
-original tensors (deterministic), and by the rule.
+and dO are imported through a DLPack capsule and through the `__dlpack__` protocol (on torch 2.11 both give back the
+original strides: these two cases pin the import path, not a stride change), and then re-strided as a normalising
+producer gives them (every size-1 dimension stride 1: the case that changes strides); varlen with cu_seqlens imported
+through DLPack; packed documents with document_ids imported through DLPack (1-D and (2, seqlen) tensors: no size-1
+dimension, so their three forms run one call). Other stride values on size-1 dimensions are not run here. Required:
+out, LSE, dQ, dK, dV bitwise the call on the original tensors (deterministic), and by the rule.
 
 Inputs are Gaussian from the per-test seed (tests/conftest.py). Skipped, with the reason, without an sm90 GPU and the
 built extension (conftest.py), and per test when the build lacks a head_dim / dtype.
@@ -119,7 +122,7 @@ def test_narrow_float_formats_are_refused_by_the_ops_and_the_functions(case):
         message = "q must be float16 or bfloat16" if case == "all" else f"{name} must have the dtype of q"
         with pytest.raises(RuntimeError, match=message):
             torch.ops.flash_attn_hopper.fwd.default(q, k, v, 1 / math.sqrt(128), True, -1, 0, 0.0, False, None)
-        with pytest.raises(RuntimeError, match="float16 or bfloat16|must have the dtype of q"):
+        with pytest.raises(RuntimeError, match=message):  # (fwd_varlen runs fwd's dtype checks, in fwd's order)
             torch.ops.flash_attn_hopper.fwd_varlen.default(qv, kv, vv, cu_q, cu_k, 77, 141, 1 / math.sqrt(128), True,
                                                            -1, 0, 0.0, False)
         torch.cuda.synchronize()  # a launch that had started would surface its error here
