@@ -6,6 +6,7 @@ Knobs (environment):
   FAH_DTYPES=fp16,bf16   dtypes to compile (default both)
   CUTLASS_PATH=/path     CUTLASS source tree (default: the installed nvidia-cutlass wheel)
   MAX_JOBS=N             parallel compile jobs (torch's ninja builder)
+  FAH_PTXAS_VERBOSE=1    ptxas's resource report (registers, spills) per kernel in the build log
 """
 
 import os

@@ -2183,8 +2183,8 @@ def measure(args, runner):
     ]
     if flagged:
         notes.append(
-            "! = ours disagrees with the float32 reference by more than 2x the peers' error + 1e-3 (relative to the "
-            "largest reference gradient for bwd), or is not finite, at: "
+            "! = ours disagrees with the float32 reference by more than 2x the error of the same reference run in "
+            "the input dtype + 1e-3 (relative to the largest reference gradient for bwd), or is not finite, at: "
             + ", ".join(f"{d} {key_text(point_key(r))}" for d, r in flagged)
         )
     unavailable = {}  # (backend, reason) -> directions
@@ -2212,9 +2212,23 @@ def measure(args, runner):
 
 
 def main(argv=None, runner_factory=GpuRunner):
-    """Exit status: 0 ok; 1 a regression against --compare; 2 no GPU / unreadable input / plots impossible."""
+    """Exit status: 0 ok; 1 a regression against --compare; 2 no GPU / unreadable input / plots impossible.
+    An unreadable --compare record and plots without matplotlib are found before any point is measured."""
     args = parse_args(argv)
     runner = None
+    baseline = None
+    if args.compare:
+        try:
+            baseline = load_record(args.compare)
+        except (OSError, ValueError) as e:
+            print(f"benchmark: cannot read --compare {args.compare}: {e}", file=sys.stderr)
+            return 2
+    if args.plots or args.history:
+        try:
+            _pyplot()
+        except RuntimeError as e:
+            print(f"benchmark: {e}", file=sys.stderr)
+            return 2
     if args.input:
         try:
             doc = load_record(args.input)
@@ -2236,11 +2250,6 @@ def main(argv=None, runner_factory=GpuRunner):
     rc = 0
     cmp = None
     if args.compare:
-        try:
-            baseline = load_record(args.compare)
-        except (OSError, ValueError) as e:
-            print(f"benchmark: cannot read --compare {args.compare}: {e}", file=sys.stderr)
-            return 2
         remeasure = make_remeasure(runner, args, doc) if runner is not None else None
         cmp = compare_records(doc, baseline, args.threshold, remeasure)
         if remeasure is None:

@@ -161,7 +161,8 @@ def _check_fwd_tiles(batch, nheads, seqlen_q, names, launches=True):
 
 def _over(size, limit):
     """Whether a size is past a limit of the library (size > limit). Under torch.compile a size may be unbacked
-    (data-dependent: rows picked by a mask inside the compiled code, or marked with torch._dynamo.mark_unbacked), so
+    (data-dependent: rows picked by a mask inside the compiled code, or marked with
+    torch._dynamo.decorators.mark_unbacked), so
     that the comparison has no answer at trace time (a Python `if` on it stopped the trace with "Could not guard on
     data-dependent expression", naming nothing of the library): it then becomes a runtime assertion of the graph
     (torch._check: a RuntimeError when the graph runs, before the op) and this returns False. Outside torch.compile,

@@ -856,6 +856,22 @@ def test_plots_without_matplotlib_fail_clearly(tmp_path, monkeypatch, capsys):
     rc = nb.main(["--input", _write(tmp_path / "r.json", make_record()), "--plots", str(tmp_path / "p")])
     assert rc == 2 and "plots need matplotlib" in capsys.readouterr().err
 
+    def no_runner(args):
+        raise AssertionError("a point would be measured before the plots' failure")
+
+    # before any point: a grid run that cannot plot stops at once, not after the whole grid
+    rc = nb.main(["--plots", str(tmp_path / "p"), "--json", str(tmp_path / "g.json")], runner_factory=no_runner)
+    assert rc == 2 and "plots need matplotlib" in capsys.readouterr().err
+
+
+def test_unreadable_compare_record_stops_before_any_point(tmp_path, capsys):
+    def no_runner(args):
+        raise AssertionError("a point would be measured before the baseline is read")
+
+    rc = nb.main(["--compare", str(tmp_path / "missing.json"), "--json", str(tmp_path / "g.json")],
+                 runner_factory=no_runner)
+    assert rc == 2 and "cannot read --compare" in capsys.readouterr().err
+
 
 def test_nothing_in_common_is_reported():
     other = make_record()
