@@ -669,6 +669,14 @@ def _document_bounds(document_ids, compiling):
 
 # ---------------------------------------------------------------------------------------------- variable length
 
+class _NoteRef(weakref.ref):
+    """The notes' weak reference: a subclass, as identity-keyed containers' are, so that a torch.utils.swap_tensors
+    that lets plain weakref.ref observers through (pytorch/pytorch#190739) still refuses a tensor with notes, as
+    torch 2.11 refuses any (docs/conventions.md); round 42's HG."""
+
+    __slots__ = ()
+
+
 class _IdentityNotes:
     """A value per object (a tensor, a model config), kept while the object lives. Keyed by identity, not a
     WeakKeyDictionary: that compares keys with ==, which tensors answer elementwise and configs by value."""
@@ -684,7 +692,7 @@ class _IdentityNotes:
         """Keeps value for obj; nothing is kept for an object that cannot be weakly referenced."""
         key = id(obj)
         try:
-            ref = weakref.ref(obj, lambda _, key=key: self._entries.pop(key, None))
+            ref = _NoteRef(obj, lambda _, key=key: self._entries.pop(key, None))
         except TypeError:
             return
         self._entries[key] = (ref, value)
@@ -709,13 +717,15 @@ class _ValueNotes(_IdentityNotes):
             return entry[1].get(_result_key(device), self.MISSING)
         return self.MISSING
 
-    def put(self, t, value, device=None, per_call=False):
+    def put(self, t, value, device=None, per_call=False, version=MISSING):
         """per_call: t is a tensor object made for one call of the caller's (e.g. the view of a padding mask that a
         model's forward hands to its layers), whose values do not change while it lives; kept also when t is an
-        inference tensor (which has no version counter); a t that has one is still checked by it."""
+        inference tensor (which has no version counter); a t that has one is still checked by it. version: t's
+        version as it was before value was computed (default: now)."""
         if t.is_inference() and not per_call:
             return
-        version = self._version(t, per_call)
+        if version is self.MISSING:
+            version = self._version(t, per_call)
         entry = super().get(t)
         if entry is None or entry[0] != version:
             entry = (version, {})
@@ -724,9 +734,14 @@ class _ValueNotes(_IdentityNotes):
 
     @classmethod
     def _version(cls, t, per_call):
+        """t's version counter and its TensorImpl: torch.utils.swap_tensors keeps the Python object and swaps what it
+        holds, and the swapped-in tensor's counter may read the same number (round 42's HG). The notes' _NoteRef makes
+        torch 2.11 refuse the swap, and a torch with pytorch/pytorch#190739 too; where any weak reference is let
+        through (#190604) the TensorImpl's address tells the swapped-in tensor apart, unless a tensor swapped in
+        earlier and freed since left its address to it (two swaps with no call between)."""
         if t.is_inference():  # (no version counter)
             return None if per_call else cls.MISSING
-        return t._version
+        return t._version, t._cdata
 
     def computed(self, t, compute, device=None, per_call=False):
         """get, else compute() then put. compute runs outside inference_mode: a result kept from an evaluation under
@@ -734,9 +749,13 @@ class _ValueNotes(_IdentityNotes):
         (inference tensors cannot be saved)."""
         value = self.get(t, device, per_call)
         if value is self.MISSING:
+            # The version before the read: a write from another thread during compute() then leaves the kept value
+            # under the old version, so the next call reads again (stamped after, the values read before that write
+            # served every later call: round 42's HI).
+            version = self._version(t, per_call)
             with torch.inference_mode(False):
                 value = compute()
-            self.put(t, value, device, per_call)
+            self.put(t, value, device, per_call, version)
         return value
 
 

@@ -29,33 +29,51 @@ _REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64
 _MATMUL_BACKENDS = ("cuda", "mkldnn")
 
 
+# Threads inside _reference_mode and the matmul settings the first of them found (round 42's HH: the settings are
+# process-wide, so a thread leaving put the caller's "high" back while another was still computing its float32
+# reference, in TF32 on a GPU, and the last to leave restored "highest" for good).
+_MODE_LOCK = threading.Lock()
+_MODE_USERS = 0
+_MODE_SAVED = None
+
+
 @contextlib.contextmanager
 def _reference_mode(device_type):
     """Autocast off for `device_type` (it ran the products in fp16 / bf16 and the softmax in fp32, so the float32
     reference was no longer float32 and the naive one no longer in the input dtype) and full float32 matmuls (TF32
     left a float32 reference with a 10-bit mantissa). torch.set_float32_matmul_precision("highest") sets the legacy
     setting and every backend's together (setting one backend alone left the legacy one disagreeing, which PyTorch
-    refuses to read: "mix of the legacy and new APIs"); afterwards both are put back as the caller had them (the
-    legacy one first, as it rewrites the backends'). Process-wide settings: a matmul on another thread meanwhile also
-    runs in full float32."""
-    backends = [getattr(torch.backends, name).matmul for name in _MATMUL_BACKENDS]
-    saved = [b.fp32_precision for b in backends]
-    try:
-        legacy = torch.get_float32_matmul_precision()
-    except RuntimeError:  # the caller mixed the two APIs: only the backends' settings can be read back
-        legacy = None
+    refuses to read: "mix of the legacy and new APIs"); once the last thread inside this mode leaves, both are put
+    back as the first found them (the legacy one first, as it rewrites the backends'), so a change another thread
+    made meanwhile is undone. Process-wide settings: a matmul on another thread meanwhile also runs in full
+    float32."""
+    global _MODE_USERS, _MODE_SAVED
     # (a device type without autocast, e.g. meta, has none to turn off: torch.autocast refuses it)
     no_autocast = (torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type)
                    else contextlib.nullcontext())
-    try:
+    with _MODE_LOCK:
+        if _MODE_USERS == 0:
+            backends = [getattr(torch.backends, name).matmul for name in _MATMUL_BACKENDS]
+            try:
+                legacy = torch.get_float32_matmul_precision()
+            except RuntimeError:  # the caller mixed the two APIs: only the backends' settings can be read back
+                legacy = None
+            _MODE_SAVED = (legacy, backends, [b.fp32_precision for b in backends])
+        # every entry, not only the first: another thread may have lowered it since (a training loop turning TF32 on)
         torch.set_float32_matmul_precision("highest")
+        _MODE_USERS += 1
+    try:
         with no_autocast:
             yield
     finally:
-        if legacy is not None:
-            torch.set_float32_matmul_precision(legacy)
-        for b, old in zip(backends, saved):
-            b.fp32_precision = old
+        with _MODE_LOCK:
+            _MODE_USERS -= 1
+            if _MODE_USERS == 0:
+                legacy, backends, saved = _MODE_SAVED
+                if legacy is not None:
+                    torch.set_float32_matmul_precision(legacy)
+                for b, old in zip(backends, saved):
+                    b.fp32_precision = old
 
 
 _in_mode = threading.local()

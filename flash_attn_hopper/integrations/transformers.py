@@ -440,9 +440,10 @@ def _documents(position_ids, query, key):
         # torch.inference_mode() forward were inference tensors, which the training forwards that followed with the
         # same position_ids were served; flash_attn_hopper.attention never keeps the bounds of inference tensors, so
         # every layer of those forwards recomputed them.
+        version = _ValueNotes._version(position_ids, False)  # before the ids are made: round 42's HI
         with torch.inference_mode(False):
             ids = _document_ids(position_ids, query.device, batch, seqlen)
-        _DOCUMENTS.put(position_ids, (batch, ids), query.device)
+        _DOCUMENTS.put(position_ids, (batch, ids), query.device, version=version)
         return ids
     return _document_ids(position_ids, query.device, batch, seqlen)
 
