@@ -3,7 +3,7 @@
 # here with the device's torch (scripts/build_pack.sh): the document-bounds partition's timing (its fast path,
 # f1ec376, never run), a short check of the benchmark's per-point references (b8f3f39: every feature point checked,
 # no point should be flagged), then scripts/device_session68.sh: the SASS / HGMMA check, the first files, and the
-# parallel phase and the memory / tools groups (rounds 40 and 41 run there). No grid: on an H200 run it in a second,
+# parallel phase and the memory / tools groups (rounds 40-42 run there). No grid: on an H200 run it in a second,
 # warm call (benchmark's --rounds 2 when short of budget).
 #   carry [".prebuilt/pack/s74.tar.xz", ".whl"]; OUT as the device gives it; BUDGET (default 540)
 # Environment: PREBUILT / PACK (default S74 / s74), BUDGET, WORKERS (default 6 where the machine has 12 cores or
