@@ -233,58 +233,55 @@ def test_hg_kept_cu_seqlens_replaced_by_metadata_ops(how):
     check_attention_varlen(out, lse, grads, q, k, v, dout, cu.clone(), cu.clone(), f"{how} after", causal=True)
 
 
+def hg_kept_problem(what):
+    """((q, k, v, dout), kept, new) after one call with `kept` (cu_seqlens or document_ids, bf16 head_dim 64, GQA 4/2,
+    causal), so that the library keeps notes for it; new: the values it is then given."""
+    require_built(64, torch.bfloat16)
+    dtype = torch.bfloat16
+    if what == "cu_seqlens":
+        q, k, v, dout = _varlen_inputs(dtype)
+        kept = torch.tensor(HG_OLD, dtype=torch.int32, device=DEVICE)
+        new = torch.tensor(HG_NEW["set"], dtype=torch.int32, device=DEVICE)
+        run_attention_varlen(q, k, v, dout, kept, kept, 30, 30, causal=True)
+    else:
+        kept, new = hg_documents()
+        q, k, v, dout = (randn(2, 96, 4, 64, dtype=dtype), randn(2, 96, 2, 64, dtype=dtype),
+                         randn(2, 96, 2, 64, dtype=dtype), randn(2, 96, 4, 64, dtype=dtype))
+        run_attention(q, k, v, dout, causal=True, document_ids=kept)
+    return (q, k, v, dout), kept, new
+
+
+def hg_check_follows(what, inputs, kept, new, name):
+    """A call with `kept` by the rule against the boundaries / documents of `new`."""
+    q, k, v, dout = inputs
+    if what == "cu_seqlens":
+        out, lse, grads = run_attention_varlen(q, k, v, dout, kept, kept, 30, 30, causal=True)
+        check_attention_varlen(out, lse, grads, q, k, v, dout, new, new, name, causal=True)
+    else:
+        out, lse, grads = run_attention(q, k, v, dout, causal=True, document_ids=kept)
+        check_attention(out, lse, grads, q, k, v, dout, name, causal=True, document_ids=new)
+
+
 @pytest.mark.parametrize("what", ["cu_seqlens", "document_ids"])
 def test_hg_swap_of_a_kept_tensor_refused_as_documented_then_copy_followed(what):
     """docs/conventions.md: swap_tensors refuses a tensor the library keeps a weak reference to; copy_ is the
     remedy, and the next call follows it."""
-    require_built(64, torch.bfloat16)
-    dtype = torch.bfloat16
-    if what == "cu_seqlens":
-        q, k, v, dout = _varlen_inputs(dtype)
-        kept = torch.tensor(HG_OLD, dtype=torch.int32, device=DEVICE)
-        new = torch.tensor(HG_NEW["set"], dtype=torch.int32, device=DEVICE)
-        run_attention_varlen(q, k, v, dout, kept, kept, 30, 30, causal=True)
-    else:
-        kept, new = hg_documents()
-        q, k, v, dout = (randn(2, 96, 4, 64, dtype=dtype), randn(2, 96, 2, 64, dtype=dtype),
-                         randn(2, 96, 2, 64, dtype=dtype), randn(2, 96, 4, 64, dtype=dtype))
-        run_attention(q, k, v, dout, causal=True, document_ids=kept)
+    inputs, kept, new = hg_kept_problem(what)
     with pytest.raises(RuntimeError, match="weakref"):
         torch.utils.swap_tensors(kept, new.clone())
     kept.copy_(new)
-    if what == "cu_seqlens":
-        out, lse, grads = run_attention_varlen(q, k, v, dout, kept, kept, 30, 30, causal=True)
-        check_attention_varlen(out, lse, grads, q, k, v, dout, new, new, "after copy_", causal=True)
-    else:
-        out, lse, grads = run_attention(q, k, v, dout, causal=True, document_ids=kept)
-        check_attention(out, lse, grads, q, k, v, dout, "after copy_", causal=True, document_ids=new)
+    hg_check_follows(what, inputs, kept, new, "after copy_")
 
 
 @pytest.mark.parametrize("what", ["cu_seqlens", "document_ids"])
 def test_hg_swapped_in_values_followed_where_any_weakref_lets_the_swap_through(what):
-    require_built(64, torch.bfloat16)
-    dtype = torch.bfloat16
-    if what == "cu_seqlens":
-        q, k, v, dout = _varlen_inputs(dtype)
-        kept = torch.tensor(HG_OLD, dtype=torch.int32, device=DEVICE)
-        new = torch.tensor(HG_NEW["set"], dtype=torch.int32, device=DEVICE)
-        run_attention_varlen(q, k, v, dout, kept, kept, 30, 30, causal=True)
-    else:
-        kept, new = hg_documents()
-        q, k, v, dout = (randn(2, 96, 4, 64, dtype=dtype), randn(2, 96, 2, 64, dtype=dtype),
-                         randn(2, 96, 2, 64, dtype=dtype), randn(2, 96, 4, 64, dtype=dtype))
-        run_attention(q, k, v, dout, causal=True, document_ids=kept)
+    inputs, kept, new = hg_kept_problem(what)
     with swap_allowing_plain_weakrefs(), pytest.raises(RuntimeError, match="weakref"):
         swap_into(kept, new)  # #190739: the notes' weakref subclass still blocks, as torch 2.11's check does
     with swap_allowing_any_weakrefs():  # #190604
         swap_into(kept, new)
     assert torch.equal(kept, new)
-    if what == "cu_seqlens":
-        out, lse, grads = run_attention_varlen(q, k, v, dout, kept, kept, 30, 30, causal=True)
-        check_attention_varlen(out, lse, grads, q, k, v, dout, new, new, "after the swap", causal=True)
-    else:
-        out, lse, grads = run_attention(q, k, v, dout, causal=True, document_ids=kept)
-        check_attention(out, lse, grads, q, k, v, dout, "after the swap", causal=True, document_ids=new)
+    hg_check_follows(what, inputs, kept, new, "after the swap")
 
 
 # ------------------------------------------------------------------ HH on the GPU
