@@ -81,9 +81,12 @@ _in_mode = threading.local()
 
 def _in_reference_mode(fn):
     """Runs fn (first argument q) in _reference_mode for q's device type; a reference called by another (the gradient
-    references, the varlen one per sequence) runs in the caller's mode instead of entering it again. When autograd
-    records the call (an input requires grad), its backward runs in the mode too (_ModeBoundary): differentiated by
-    the caller, a reference's products ran in the caller's autocast and matmul precision (round 43's HJ)."""
+    references, the varlen one per sequence) runs in the caller's mode instead of entering it again.
+    Known limitation (round 43's HJ): the mode covers the call, not a backward that the caller later takes through
+    the outputs with torch.autograd.grad / .backward(), which runs in the caller's autocast and matmul precision.
+    Take reference gradients with attention_ref_grads / attention_varlen_ref_grads (inside the mode), or wrap the
+    caller's grad call in _reference_mode. (Making the call one autograd node whose backward enters the mode was
+    tried and reverted: it dropped double-backward terms silently, broke retain_graph, torch.func and forward AD.)"""
     @functools.wraps(fn)
     def wrapper(q, *args, **kwargs):
         if getattr(_in_mode, "active", False) or not isinstance(q, torch.Tensor):  # (fn refuses a q not a tensor)
@@ -91,46 +94,10 @@ def _in_reference_mode(fn):
         _in_mode.active = True
         try:
             with _reference_mode(q.device.type):
-                flat = [q, *args, *kwargs.values()]
-                where = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
-                if not (torch.is_grad_enabled() and where):
-                    return fn(q, *args, **kwargs)
-
-                def call(*tensors):
-                    full = list(flat)
-                    for i, t in zip(where, tensors):
-                        full[i] = t
-                    return fn(*full[:1 + len(args)], **dict(zip(kwargs, full[1 + len(args):])))
-
-                outs = _ModeBoundary.apply(call, q.device.type, *(flat[i] for i in where))
-                return outs if len(outs) > 1 else outs[0]
+                return fn(q, *args, **kwargs)
         finally:
             _in_mode.active = False
     return wrapper
-
-
-class _ModeBoundary(torch.autograd.Function):
-    """A reference call as one autograd node: its forward builds the reference's graph on detached copies of the
-    inputs that require grad; its backward differentiates that graph inside _reference_mode (autocast off, float32
-    products in full float32), whatever mode the caller's backward runs in. Outputs: fn's tensors (a tuple or one)."""
-
-    @staticmethod
-    def forward(ctx, call, device_type, *tensors):
-        leaves = [t.detach().requires_grad_(True) for t in tensors]
-        with torch.enable_grad():
-            outs = call(*leaves)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        ctx.device_type, ctx.leaves, ctx.outs = device_type, leaves, outs
-        return tuple(o.detach() for o in outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        pairs = [(o, g) for o, g in zip(ctx.outs, grads) if o.requires_grad and g is not None]
-        if not pairs:
-            return (None, None, *(None for _ in ctx.leaves))
-        with _reference_mode(ctx.device_type):
-            got = torch.autograd.grad([o for o, _ in pairs], ctx.leaves, [g for _, g in pairs], allow_unused=True)
-        return (None, None, *got)
 
 
 def _grad_leaf(t, dtype):
