@@ -14,6 +14,8 @@ memo, the benchmark's cu_seqlens, the references' numeric mode). One fault found
   found that it dropped double-backward terms silently and broke retain_graph, torch.func and forward-mode AD. The
   tests' own helper (tests/test_bug_reports_gpu.py's _ref_grads_through) now takes its grad inside the mode."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -46,6 +48,28 @@ def _autograd_grads(reference, leaves, extra, dout):
     return torch.autograd.grad(out, leaves, dout)
 
 
+def _recording(seen):
+    """A saved-tensors hook that adds the float32 matmul precision in force when it runs to `seen`."""
+    def hook(t):
+        seen.add(torch.get_float32_matmul_precision())
+        return t
+    return hook
+
+
+@contextlib.contextmanager
+def _caller_high():
+    """The caller's float32 matmul precision "high" for the block, put back after; yields a dict that gets the
+    precision in force at the block's end under "after"."""
+    legacy = torch.get_float32_matmul_precision()
+    state = {}
+    try:
+        torch.set_float32_matmul_precision("high")
+        yield state
+        state["after"] = torch.get_float32_matmul_precision()
+    finally:
+        torch.set_float32_matmul_precision(legacy)
+
+
 def _max_err(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
@@ -75,25 +99,11 @@ def test_hj_reference_backward_by_autograd_runs_in_highest(which):
     setting, read at that moment by a saved-tensors unpack hook, is what shows it)."""
     reference, _, leaves, extra, dout = _hj_case(which)
     packed, unpacked = set(), set()
-
-    def pack(t):
-        packed.add(torch.get_float32_matmul_precision())
-        return t
-
-    def unpack(t):
-        unpacked.add(torch.get_float32_matmul_precision())
-        return t
-
-    legacy = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("high")
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with _caller_high() as state:
+        with torch.autograd.graph.saved_tensors_hooks(_recording(packed), _recording(unpacked)):
             out, _ = reference(*leaves, *extra, causal=True)
         torch.autograd.grad(out, leaves, dout)
-        after = torch.get_float32_matmul_precision()
-    finally:
-        torch.set_float32_matmul_precision(legacy)
-    assert packed == {"highest"} and after == "high", "the premise: the forward in the mode, the caller's back"
+    assert packed == {"highest"} and state["after"] == "high", "the premise: the forward in the mode, the caller's back"
     assert unpacked == {"highest"}, f"the reference's backward computed under {sorted(unpacked)}"
 
 
@@ -105,21 +115,11 @@ def test_hj_grads_references_inside_the_callers_autocast_and_precision_unchanged
     reference, grads, leaves, extra, dout = _hj_case(which)
     alone = _autograd_grads(reference, leaves, extra, dout)
     unpacked = set()
-
-    def unpack(t):
-        unpacked.add(torch.get_float32_matmul_precision())
-        return t
-
-    legacy = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("high")
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(lambda t: t,
-                                                                                                   unpack):
+    with _caller_high() as state:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t, _recording(unpacked)):
             inside = grads(*leaves, dout, *extra, causal=True)
-        after = torch.get_float32_matmul_precision()
-    finally:
-        torch.set_float32_matmul_precision(legacy)
-    assert _max_err(inside, alone) <= 1e-5 and after == "high"
+    assert _max_err(inside, alone) <= 1e-5 and state["after"] == "high"
     assert unpacked == {"highest"}, sorted(unpacked)
 
 
